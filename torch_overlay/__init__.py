@@ -1,0 +1,37 @@
+"""torch-overlay: fixes for TP + DDP composability and FSDP unsharding, served into a stock torch==2.13.0.
+
+``activate()`` puts our versions of three ``torch.distributed`` modules in place in this process (before or
+after torch was imported), ``deactivate()`` restores the stock objects exactly, ``status()`` says what is
+active. For every process of an environment, use ``python -m torch_overlay.activate`` instead.
+
+Importing this package never imports torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch_overlay import _loader
+from torch_overlay._guard import BaseMismatchError
+from torch_overlay._startup import ENV_VAR, disabled_by_env
+from torch_overlay._status import OverlayStatus, status
+
+__all__ = ["activate", "BaseMismatchError", "deactivate", "OverlayStatus", "status"]
+
+
+def activate() -> None:
+    """Activate the overlay in this process; idempotent and thread-safe.
+
+    Raises :class:`BaseMismatchError`, having changed nothing, when the installed torch is not the base
+    recorded in the manifest. ``TORCH_OVERLAY=0`` in the environment wins: it leaves stock torch in place
+    (with a warning), so one variable is enough to rule the overlay out while debugging.
+    """
+    if disabled_by_env():
+        warnings.warn(f"torch_overlay.activate() ignored: {ENV_VAR}=0 is set", RuntimeWarning, stacklevel=2)
+        return
+    _loader.activate()
+
+
+def deactivate() -> None:
+    """Restore every stock module object and binding in this process; idempotent and thread-safe."""
+    _loader.deactivate()

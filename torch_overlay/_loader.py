@@ -1,0 +1,217 @@
+"""In-process activation: serve our modules in place of the upstream ones, and take them out again.
+
+One mechanism serves every way of activating (an ``activate()`` call, the start-up hook of a persistent
+install, the test suite's boot directory):
+
+- a meta path finder, first on ``sys.meta_path``, serves the overlay file for each manifest module imported
+  from then on, under the upstream name (so relative imports, pickling and ``__module__`` are unchanged);
+- a manifest module that was already imported is swapped for a freshly executed overlay module, and every
+  global that another module bound with ``from X import f`` is rebound to the overlay's ``f``.
+
+Deactivation is the same swap run backwards: the finder is removed, each overlay module is swapped for the
+original module object (or, if the module was first imported while active, a fresh stock one) and every
+binding is pointed back. Original module objects are never mutated, so their functions keep their
+identity. References held outside module globals (a hook already registered on a model, a closure) keep
+whatever they captured; that is why activation belongs before models are built.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+import types
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+
+from torch_overlay._guard import check_base, require_base
+from torch_overlay._manifest import Manifest, OverlayModule, load_manifest
+
+
+class ModuleState(Enum):
+    """Where a manifest module comes from in this process."""
+
+    NOT_IMPORTED = "not imported"
+    STOCK = "stock"
+    OVERLAY = "overlay"
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """The overlay's state in this interpreter."""
+
+    active: bool
+    disabled_reason: str | None
+    """Why an activation from the start-up hook stood down (base mismatch), else None."""
+    modules: tuple[tuple[str, ModuleState], ...]
+
+
+class _OverlayFinder(importlib.abc.MetaPathFinder):
+    """Serves the overlay file for each manifest module; defers to the normal finders for the rest.
+
+    With ``guard_on_first_use`` (the start-up hook, which must not touch torch), the base is verified at the
+    first import of a manifest module instead of at activation; on a mismatch the finder stands down with
+    one warning, and the process runs stock torch.
+    """
+
+    def __init__(self, manifest: Manifest, guard_on_first_use: bool) -> None:
+        self._manifest = manifest
+        self._by_name = {m.name: m for m in manifest.modules}
+        self._guard_pending = guard_on_first_use
+        self.disabled_reason: str | None = None
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: types.ModuleType | None = None
+    ) -> ModuleSpec | None:
+        module = self._by_name.get(fullname)
+        if module is None or self.disabled_reason is not None:
+            return None
+        if self._guard_pending:
+            self._guard_pending = False
+            check = check_base(self._manifest)
+            if not check.ok:
+                self.disabled_reason = "; ".join(check.problems())
+                warnings.warn(
+                    "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
+                    f"its base: {self.disabled_reason}. Run `python -m torch_overlay.activate --status`.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return None
+        return _overlay_spec(module)
+
+
+_lock = threading.RLock()
+_finder: _OverlayFinder | None = None
+_originals: dict[str, types.ModuleType] = {}
+"""Stock module objects that were imported before activation, restored as they are on deactivation."""
+
+
+def is_overlay_module(module: types.ModuleType, overlay: OverlayModule) -> bool:
+    origin = getattr(getattr(module, "__spec__", None), "origin", None)
+    return origin is not None and Path(origin).resolve() == overlay.overlay_file
+
+
+def activate(*, guard_on_first_use: bool = False) -> None:
+    """Activate the overlay in this process; a no-op when it is already active.
+
+    Raises :class:`~torch_overlay._guard.BaseMismatchError`, having changed nothing, when the installed
+    torch is not the base (unless ``guard_on_first_use``, see :class:`_OverlayFinder`).
+    """
+    global _finder
+    with _lock:
+        if _finder is not None:
+            return
+        manifest = load_manifest()
+        check_now = not guard_on_first_use or any(m.name in sys.modules for m in manifest.modules)
+        if check_now:
+            require_base("activate the overlay", manifest)
+        done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
+        try:
+            for overlay in manifest.modules:
+                current = sys.modules.get(overlay.name)
+                if current is None or is_overlay_module(current, overlay):
+                    continue
+                replacement = _execute(overlay.name, _overlay_spec(overlay))
+                _swap(overlay.name, current, replacement, manifest)
+                done.append((overlay.name, current, replacement))
+        except BaseException:
+            for name, current, replacement in reversed(done):
+                _swap(name, replacement, current, manifest)
+            raise
+        _originals.update({name: current for name, current, _ in done})
+        _finder = _OverlayFinder(manifest, guard_on_first_use=not check_now)
+        sys.meta_path.insert(0, _finder)
+
+
+def deactivate() -> None:
+    """Restore stock torch in this process exactly; a no-op when the overlay is not active."""
+    global _finder
+    with _lock:
+        if _finder is None:
+            return
+        manifest = load_manifest()
+        sys.meta_path.remove(_finder)
+        _finder = None
+        # NOTE: forward (dependency) order, so that a stock module executed afresh here imports the
+        # stock versions of the manifest modules before it, never the overlay ones.
+        for overlay in manifest.modules:
+            current = sys.modules.get(overlay.name)
+            if current is None or not is_overlay_module(current, overlay):
+                continue
+            original = _originals.pop(overlay.name, None)
+            if original is None:
+                original = _execute(overlay.name, _stock_spec(overlay.name))
+            _swap(overlay.name, current, original, manifest)
+        _originals.clear()
+
+
+def process_state() -> ProcessState:
+    with _lock:
+        manifest = load_manifest()
+        modules = []
+        for overlay in manifest.modules:
+            module = sys.modules.get(overlay.name)
+            if module is None:
+                state = ModuleState.NOT_IMPORTED
+            elif is_overlay_module(module, overlay):
+                state = ModuleState.OVERLAY
+            else:
+                state = ModuleState.STOCK
+            modules.append((overlay.name, state))
+        disabled = _finder.disabled_reason if _finder is not None else None
+        return ProcessState(_finder is not None and disabled is None, disabled, tuple(modules))
+
+
+def _overlay_spec(overlay: OverlayModule) -> ModuleSpec | None:
+    return importlib.util.spec_from_file_location(overlay.name, overlay.overlay_file)
+
+
+def _stock_spec(name: str) -> ModuleSpec | None:
+    parent = sys.modules[name.rpartition(".")[0]]
+    return importlib.machinery.PathFinder.find_spec(name, parent.__path__)
+
+
+def _execute(name: str, spec: ModuleSpec | None) -> types.ModuleType:
+    if spec is None or spec.loader is None:
+        raise ImportError(f"torch_overlay: cannot find a source for {name}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _swap(name: str, old: types.ModuleType, new: types.ModuleType, manifest: Manifest) -> None:
+    """Make ``new`` the module ``name`` everywhere ``old`` was: sys.modules, its parent, and every global.
+
+    A global is rebound when it is ``old`` itself or a function/class defined in ``old`` that ``new`` also
+    defines. The manifest modules' own namespaces are left alone so that original objects stay pristine.
+    """
+    sys.modules[name] = new
+    parent_name, _, child = name.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if parent is not None and getattr(parent, child, None) is old:
+        setattr(parent, child, new)
+    replacements: dict[int, tuple[object, object]] = {id(old): (old, new)}
+    new_globals = vars(new)
+    for attr, value in vars(old).items():
+        if (
+            isinstance(value, (types.FunctionType, type))
+            and getattr(value, "__module__", None) == name
+            and attr in new_globals
+        ):
+            replacements[id(value)] = (value, new_globals[attr])
+    untouchable = {id(old), id(new)} | {id(m) for m in _originals.values()}
+    untouchable |= {id(sys.modules.get(m.name)) for m in manifest.modules}
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType) or id(module) in untouchable:
+            continue
+        namespace = vars(module)
+        for attr, value in list(namespace.items()):
+            hit = replacements.get(id(value))
+            if hit is not None and hit[0] is value:
+                namespace[attr] = hit[1]

@@ -1,0 +1,82 @@
+"""Persistent activation: a ``.pth`` start-up hook in the current environment's site-packages.
+
+``site`` executes ``import`` lines of ``.pth`` files at every interpreter start, so every process of the
+environment (``spawn`` children and torchrun ranks included) runs ``_startup.boot()`` without code changes.
+The line itself guards everything: ``TORCH_OVERLAY=0`` skips even importing this package, and a missing or
+broken package costs one line on stderr instead of a traceback from ``site``.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from torch_overlay._guard import require_base
+
+HOOK_FILE_NAME = "torch_overlay_startup.pth"
+
+_HOOK_CODE = """\
+if os.environ.get("TORCH_OVERLAY", "").strip() != "0":
+    try:
+        from torch_overlay._startup import boot
+    except Exception as e:
+        sys.stderr.write("torch_overlay: start-up hook %s did nothing, torch_overlay cannot be imported (%r); "
+                         "reinstall torch-overlay or delete that file\\n" % (HOOK_PATH, e))
+    else:
+        boot()
+"""
+
+
+def hook_path(site_packages: Path | None = None) -> Path:
+    """Where the hook lives: the purelib site-packages of the running interpreter's environment."""
+    return (site_packages or Path(sysconfig.get_path("purelib"))) / HOOK_FILE_NAME
+
+
+def hook_text(path: Path) -> str:
+    code = f"HOOK_PATH = {str(path)!r}\n" + _HOOK_CODE
+    return (
+        "# torch-overlay start-up hook, written by `python -m torch_overlay.activate`.\n"
+        "# Remove it with `python -m torch_overlay.activate --revert`; TORCH_OVERLAY=0 disables it per process.\n"
+        f"import os, sys; exec({code!r})\n"
+    )
+
+
+def installed_hook(site_packages: Path | None = None) -> Path | None:
+    path = hook_path(site_packages)
+    return path if path.exists() else None
+
+
+def hook_is_current(path: Path) -> bool:
+    """Whether the file at ``path`` is exactly the hook this version of the package writes."""
+    try:
+        return path.read_text(encoding="utf-8") == hook_text(path)
+    except OSError:
+        return False
+
+
+def install_hook(site_packages: Path | None = None) -> tuple[Path, bool]:
+    """Verify the base, then write the hook atomically; returns (path, whether anything changed)."""
+    require_base("install the start-up hook")
+    path = hook_path(site_packages)
+    if hook_is_current(path):
+        return path, False
+    fd, tmp = tempfile.mkstemp(prefix=".torch_overlay-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(hook_text(path))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path, True
+
+
+def remove_hook(site_packages: Path | None = None) -> Path | None:
+    """Remove the hook; returns the removed path, or None when there was none."""
+    path = hook_path(site_packages)
+    if not path.exists():
+        return None
+    path.unlink()
+    return path

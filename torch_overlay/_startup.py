@@ -1,0 +1,30 @@
+"""The start-up hook: what the ``.pth`` file of a persistent install (and the test suite's boot directory)
+runs in every new interpreter.
+
+It must never break interpreter start-up and must not import torch, so it only puts the overlay's finder in
+place; the base is verified at the first import of a replaced module (see ``_loader._OverlayFinder``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+ENV_VAR = "TORCH_OVERLAY"
+
+
+def disabled_by_env() -> bool:
+    """``TORCH_OVERLAY=0`` turns the overlay off for one process (and the children that inherit it)."""
+    return os.environ.get(ENV_VAR, "").strip() == "0"
+
+
+def boot() -> None:
+    """Activate the overlay lazily unless ``TORCH_OVERLAY=0``; never raises, warns at most once."""
+    if disabled_by_env():
+        return
+    try:
+        from torch_overlay._loader import activate
+
+        activate(guard_on_first_use=True)
+    except Exception as e:  # noqa: BLE001 - start-up must go on whatever happened
+        warnings.warn(f"torch_overlay: the start-up hook did not activate the overlay: {e}", RuntimeWarning)

@@ -1,0 +1,85 @@
+"""What is active where: the base check, the persistent hook, this process. Reads only, changes nothing."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch_overlay._guard import BaseCheck, BaseMismatchError, check_base
+from torch_overlay._loader import ProcessState, process_state
+from torch_overlay._persistent import hook_is_current, installed_hook
+from torch_overlay._startup import ENV_VAR
+
+
+@dataclass(frozen=True)
+class OverlayStatus:
+    base: BaseCheck | None
+    """The installed torch against the manifest; None when torch cannot be found."""
+    base_error: str | None
+    persistent_hook: Path | None
+    persistent_hook_current: bool
+    env_value: str | None
+    process: ProcessState
+
+    @property
+    def ok(self) -> bool:
+        """The base matches and the persistent hook, if any, is the one this package writes."""
+        hook_ok = self.persistent_hook is None or self.persistent_hook_current
+        return self.base is not None and self.base.ok and hook_ok
+
+    def problems(self) -> list[str]:
+        lines = [self.base_error] if self.base_error else []
+        if self.base is not None:
+            lines += self.base.problems()
+        if self.persistent_hook is not None and not self.persistent_hook_current:
+            lines.append(
+                f"{self.persistent_hook} is not the hook this torch-overlay writes; "
+                "rewrite it with `python -m torch_overlay.activate`"
+            )
+        return lines
+
+    def format(self) -> str:
+        """The table ``python -m torch_overlay.activate --status`` prints."""
+        rows = []
+        if self.base is not None:
+            rows.append(("torch", f"{self.base.found_version} at {self.base.torch_dir}"))
+            verdict = "matches" if self.base.ok else "MISMATCH"
+            rows.append(("base", f"torch {self.base.expected_version}, {len(self.base.files)} files: {verdict}"))
+        else:
+            rows.append(("torch", f"not found ({self.base_error})"))
+        hook = self.persistent_hook
+        rows.append(("persistent", f"installed ({hook})" if hook else "not installed"))
+        env = "unset" if self.env_value is None else self.env_value
+        if self.env_value is not None and self.env_value.strip() == "0":
+            env += " (start-up hook off for this process)"
+        rows.append((ENV_VAR, env))
+        if self.process.active:
+            process = "active"
+        elif self.process.disabled_reason:
+            process = f"stood down ({self.process.disabled_reason})"
+        else:
+            process = "not active"
+        rows.append(("this process", process))
+        width = max(len(k) for k, _ in rows) + 2
+        lines = [f"{k + ':':<{width}}{v}" for k, v in rows]
+        name_width = max(len(name) for name, _ in self.process.modules) + 2
+        lines += [f"  {name:<{name_width}}{state.value}" for name, state in self.process.modules]
+        lines += [f"problem: {p}" for p in self.problems()]
+        return "\n".join(lines)
+
+
+def status() -> OverlayStatus:
+    try:
+        base, base_error = check_base(), None
+    except BaseMismatchError as e:
+        base, base_error = None, str(e)
+    hook = installed_hook()
+    return OverlayStatus(
+        base=base,
+        base_error=base_error,
+        persistent_hook=hook,
+        persistent_hook_current=hook is not None and hook_is_current(hook),
+        env_value=os.environ.get(ENV_VAR),
+        process=process_state(),
+    )
