@@ -27,4 +27,4 @@ def boot() -> None:
 
         activate(guard_on_first_use=True)
     except Exception as e:  # noqa: BLE001 - start-up must go on whatever happened
-        warnings.warn(f"torch_overlay: the start-up hook did not activate the overlay: {e}", RuntimeWarning)
+        warnings.warn(f"torch_overlay: the start-up hook did not activate the overlay: {e}", RuntimeWarning, stacklevel=2)

@@ -1,6 +1,5 @@
 # Owner(s): ["oncall: distributed"]
 
-import copy
 import sys
 
 import torch
@@ -21,8 +20,8 @@ if TEST_WITH_DEV_DBG_ASAN:
     sys.exit(0)
 
 
-class TestSummonFullParamsOptions(FSDPTestContinuous):
-    """``summon_full_params`` options, on two ranks of any backend (gloo on CPU included)."""
+class TestUnshardOffloadWarning(FSDPTestContinuous):
+    """The ``summon_full_params`` offload warning, on two ranks of any backend (gloo on CPU included)."""
 
     world_size = 2
 
@@ -49,21 +48,6 @@ class TestSummonFullParamsOptions(FSDPTestContinuous):
                 model, writeback=False, rank0_only=False, offload_to_cpu=True, with_grads=False
             )
         self.assertIn("may result in the unsharded parameters", str(caught.warning))
-
-    def test_offload_to_cpu_on_cpu_compute_device(self):
-        """``offload_to_cpu=True`` keeps the full parameters when they already live in CPU memory."""
-        torch.manual_seed(0)
-        reference = nn.Linear(4, 6)
-        model = FSDP(copy.deepcopy(reference), process_group=self.process_group, device_id=self.device)
-        for rank0_only in (False, True):
-            with FSDP.summon_full_params(model, offload_to_cpu=True, rank0_only=rank0_only, writeback=False):
-                if self.rank == 0 or not rank0_only:
-                    self.assertEqual(model.weight.device, torch.device("cpu"))
-                    self.assertEqual(model.weight, reference.weight.to(model.weight.device))
-                    self.assertEqual(model.bias, reference.bias.to(model.bias.device))
-        loss = model(torch.ones(2, 4, device=self.device)).sum()
-        loss.backward()
-        self.assertEqual(loss, reference(torch.ones(2, 4)).sum().to(loss.device))
 
 
 if __name__ == "__main__":
