@@ -26,5 +26,7 @@ def boot() -> None:
         from torch_overlay._loader import activate
 
         activate(guard_on_first_use=True)
-    except Exception as e:  # noqa: BLE001 - start-up must go on whatever happened
-        warnings.warn(f"torch_overlay: the start-up hook did not activate the overlay: {e}", RuntimeWarning, stacklevel=2)
+    except Exception as e:  # start-up must go on whatever happened
+        warnings.warn(
+            f"torch_overlay: the start-up hook did not activate the overlay: {e}", RuntimeWarning, stacklevel=2
+        )
