@@ -1,0 +1,111 @@
+"""The sync check (part of ``make check``): ``patches/`` and the overlay must never drift apart.
+
+Fails, naming the file, when the manifest's base does not match the pristine base, when regenerating the
+series does not give ``patches/`` byte for byte, when a patch does not ``git apply`` in order onto the
+pristine base, or when the applied series differs from the overlay files or the tests.
+
+    python -m tools.check [--wheel TORCH_WHEEL_OR_DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tools.patches import (
+    SERIES_FILE,
+    PatchError,
+    generate,
+    generated_files,
+    new_side_problems,
+    read_upstream_edit,
+)
+from tools.pristine import BaseSourceError, pristine_base
+from tools.project import Project, default_project
+from tools.series import SeriesError, load_series
+
+
+def drift(project: Project, expected: dict[str, bytes]) -> list[str]:
+    """Files of ``patches/`` that differ from a fresh generation, each named with what to do."""
+    problems = []
+    present = {p.name: p for p in generated_files(project.patches_dir) if p.exists()}
+    for name, content in expected.items():
+        path = project.patches_dir / name
+        if name not in present:
+            problems.append(f"patches/{name}: missing; run `make patches`")
+        elif path.read_bytes() != content:
+            problems.append(
+                f"patches/{name}: differs from what the overlay and series.toml generate; run `make patches`"
+            )
+    for name in sorted(set(present) - set(expected)):
+        problems.append(f"patches/{name}: not part of the series any more; run `make patches`")
+    return problems
+
+
+def apply_problems(project: Project, base: dict[str, bytes]) -> list[str]:
+    """Apply ``patches/series`` in order with ``git apply`` onto the base; compare with the overlay and tests."""
+    series_path = project.patches_dir / SERIES_FILE
+    if not series_path.is_file():
+        return [f"patches/{SERIES_FILE}: missing; run `make patches`"]
+    names = series_path.read_text(encoding="utf-8").split()
+    patches = load_series(project.series_toml)
+    edited = [path for p in patches for path in p.upstream_test_edits]
+    with tempfile.TemporaryDirectory(prefix="torch-overlay-check-") as tmp:
+        tree = Path(tmp)
+        subprocess.run(["git", "init", "--quiet"], cwd=tree, check=True)
+        for path, content in base.items():
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_bytes(content)
+        for name in names:
+            # NOTE: upstream test files are not in the wheel; their edits are checked against test/ below.
+            excludes = [f"--exclude={path}" for path in edited]
+            proc = subprocess.run(
+                ["git", "apply", *excludes, str((project.patches_dir / name).resolve())],
+                cwd=tree,
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode != 0:
+                return [f"patches/{name}: does not apply in order onto the pristine base: {proc.stderr.strip()}"]
+        problems = []
+        for path, content in project.overlay_files().items():
+            if (tree / path).read_bytes() != content:
+                problems.append(f"{path}: the applied series differs from the overlay file torch_overlay/{path}")
+        for path in [t for p in patches for t in p.tests]:
+            if (tree / path).read_bytes() != project.repo_file(path).read_bytes():
+                problems.append(f"{path}: the applied series differs from the test file in this repo")
+        for path in edited:
+            if project.repo_file(path).is_file():
+                problems += new_side_problems(read_upstream_edit(project, path), project.repo_file(path))
+    return problems
+
+
+def check(project: Project, source: Path | None = None) -> list[str]:
+    """Every sync problem, one line each, naming the file; empty when the three faces agree."""
+    try:
+        base = pristine_base(project.manifest(), source)
+        expected = generate(project, base)
+    except (BaseSourceError, PatchError, SeriesError) as e:
+        return [str(e)]
+    return drift(project, expected) + apply_problems(project, base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--wheel", type=Path, help="torch wheel or site-packages-like directory holding the base")
+    parser.add_argument("--root", type=Path, default=None, help="project root (default: this repo)")
+    args = parser.parse_args(argv)
+    project = Project(args.root) if args.root else default_project()
+    problems = check(project, args.wheel)
+    for problem in problems:
+        print(f"sync check failed: {problem}", file=sys.stderr)
+    if not problems:
+        print("sync check passed: patches/ reproduces the overlay and its tests from the pristine base")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""``make patches``: write ``patches/`` (a git format-patch series and its ``series`` file) from the overlay.
+
+Inputs: the pristine base (see :mod:`tools.pristine`), the overlay files, ``patches/series.toml`` and the
+tests it names. Each patch's state is committed in a scratch git repository with a fixed author and date,
+and ``git format-patch`` writes the series, so regenerating from the same inputs is byte-identical.
+
+    python -m tools.patches [--wheel TORCH_WHEEL_OR_DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.pristine import BaseSourceError, pristine_base
+from tools.project import Project, default_project
+from tools.series import Patch, SeriesError, file_states, load_series
+
+AUTHOR = ("torch-overlay", "torch-overlay@users.noreply.github.com")
+DATE = "2026-01-01T00:00:00+0000"
+SERIES_FILE = "series"
+_UPSTREAM_BASE_RE = re.compile(r"^Upstream-Base: (\S+)\n")
+_HUNK_RE = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
+
+
+class PatchError(RuntimeError):
+    """The series cannot be generated, or does not reproduce the overlay; the message names the file."""
+
+
+@dataclass(frozen=True)
+class UpstreamEdit:
+    """A diff of an upstream test file, made against ``base`` (``pytorch/pytorch@<commit>``)."""
+
+    path: str
+    base: str
+    diff: str
+
+
+def git(cwd: Path, *args: str, input: str | None = None) -> str:
+    env = dict(
+        os.environ,
+        GIT_AUTHOR_NAME=AUTHOR[0],
+        GIT_AUTHOR_EMAIL=AUTHOR[1],
+        GIT_COMMITTER_NAME=AUTHOR[0],
+        GIT_COMMITTER_EMAIL=AUTHOR[1],
+        GIT_AUTHOR_DATE=DATE,
+        GIT_COMMITTER_DATE=DATE,
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+    )
+    proc = subprocess.run(["git", *args], cwd=cwd, env=env, input=input, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise PatchError(f"git {' '.join(args)} failed in {cwd}:\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def read_upstream_edit(project: Project, path: str) -> UpstreamEdit:
+    file = project.upstream_edit_file(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PatchError(f"{file}: cannot read the upstream test edit of {path} ({e.strerror})") from e
+    match = _UPSTREAM_BASE_RE.match(text)
+    diff = text[match.end() :] if match else ""
+    if not match or not diff.startswith(f"diff --git a/{path} b/{path}\n"):
+        raise PatchError(
+            f"{file}: expected a first line 'Upstream-Base: pytorch/pytorch@<commit>' and then "
+            f"'diff --git a/{path} b/{path}' (see CONTEXT.md / README, 'Patches')"
+        )
+    return UpstreamEdit(path, match.group(1), diff)
+
+
+def new_side_problems(edit: UpstreamEdit, local: Path) -> list[str]:
+    """Where the diff's new side disagrees with the rewritten file kept at ``local`` (empty when it agrees)."""
+    lines = local.read_text(encoding="utf-8").splitlines(keepends=True)
+    problems = []
+    start, new = 0, []
+    hunks: list[tuple[int, list[str]]] = []
+    for line in edit.diff.splitlines(keepends=True):
+        hunk = _HUNK_RE.match(line)
+        if hunk:
+            start, new = int(hunk.group(1)), []
+            hunks.append((start, new))
+        elif hunks and line.startswith((" ", "+")):
+            new.append(line[1:])
+        elif hunks and line.startswith("\\") and new:
+            new[-1] = new[-1].removesuffix("\n")
+    for start, new in hunks:
+        first = max(start - 1, 0)
+        if lines[first : first + len(new)] != new:
+            problems.append(f"{local}: differs from the new side of the hunk at line {start} of {edit.path}.diff")
+    return problems
+
+
+def commit_message(patch: Patch, edits: list[UpstreamEdit], version: str) -> str:
+    parts = [patch.title, "Summary:\n" + patch.summary]
+    for edit in edits:
+        parts.append(
+            f"Note: the changes to {edit.path} were made against {edit.base}; the base of the rest of this "
+            f"patch is torch {version}, whose commit is not available offline to this tool."
+        )
+    parts.append("Test Plan:\n" + patch.test_plan)
+    if patch.fixes:
+        parts.append("\n".join(f"Fixes #{n}" for n in patch.fixes))
+    return "\n\n".join(parts) + "\n"
+
+
+def _splice(patch_text: str, edits: list[UpstreamEdit]) -> str:
+    """Add the upstream test edits to a format-patch text, keeping the file sections sorted by path."""
+    if not edits:
+        return patch_text
+    head, sep, diff = patch_text.partition("\ndiff --git ")
+    sections = [("diff --git " + s) for s in diff.split("\ndiff --git ")] if sep else []
+    sections = [s if s.endswith("\n") else s + "\n" for s in sections]
+    sections += [e.diff if e.diff.endswith("\n") else e.diff + "\n" for e in edits]
+    sections.sort(key=lambda s: s.split("\n", 1)[0].split(" b/", 1)[1])
+    return head + "\n" + "".join(sections)
+
+
+def generate(project: Project, base: dict[str, bytes]) -> dict[str, bytes]:
+    """The contents of ``patches/`` (except series.toml), by file name."""
+    manifest = project.manifest()
+    try:
+        patches = load_series(project.series_toml)
+        states = file_states(patches, base, project.overlay_files())
+    except SeriesError as e:
+        raise PatchError(str(e)) from e
+    out: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix="torch-overlay-patches-") as tmp:
+        repo = Path(tmp) / "repo"
+        repo.mkdir()
+        git(repo, "init", "--quiet", "-b", "base")
+        _write(repo, base)
+        git(repo, "add", "--all")
+        git(repo, "commit", "--quiet", "-m", f"{manifest.package} {manifest.version}")
+        git(repo, "tag", "pristine")
+        all_edits = []
+        for patch, state in zip(patches, states, strict=True):
+            tests = {}
+            for test in patch.tests:
+                try:
+                    tests[test] = project.repo_file(test).read_bytes()
+                except OSError as e:
+                    raise PatchError(f"{project.series_toml}: patch {patch.name!r}: test {test}: {e.strerror}") from e
+            _write(repo, state | tests)
+            edits = [read_upstream_edit(project, p) for p in patch.upstream_test_edits]
+            all_edits.append(edits)
+            git(repo, "add", "--all")
+            message = commit_message(patch, edits, manifest.version)
+            git(repo, "commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-", input=message)
+        names = [f"{k:04d}-{p.name}.patch" for k, p in enumerate(patches, 1)]
+        formatted = Path(tmp) / "formatted"
+        git(
+            repo, "format-patch", "--quiet", "--numbered", "--zero-commit", "--no-signature", "--full-index",
+            "--no-stat", "-o", str(formatted), "pristine..HEAD",
+        )  # fmt: skip
+        written = sorted(formatted.iterdir())
+        assert len(written) == len(names), f"git format-patch wrote {len(written)} patches for {len(names)}"
+        for name, file, edits in zip(names, written, all_edits, strict=True):
+            out[name] = _splice(file.read_text(encoding="utf-8"), edits).encode("utf-8")
+        out[SERIES_FILE] = ("".join(n + "\n" for n in names)).encode("utf-8")
+    return out
+
+
+def _write(repo: Path, files: dict[str, bytes]) -> None:
+    for path, content in files.items():
+        target = repo / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+
+
+def generated_files(patches_dir: Path) -> list[Path]:
+    return sorted(patches_dir.glob("[0-9][0-9][0-9][0-9]-*.patch")) + [patches_dir / SERIES_FILE]
+
+
+def write(project: Project, files: dict[str, bytes]) -> list[str]:
+    """Replace the generated files of ``patches/``; returns the names written."""
+    for stale in generated_files(project.patches_dir):
+        if stale.name not in files:
+            stale.unlink(missing_ok=True)
+    for name, content in files.items():
+        (project.patches_dir / name).write_bytes(content)
+    return sorted(files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.patches", description="Write patches/ from the overlay.")
+    parser.add_argument("--wheel", type=Path, help="torch wheel or site-packages-like directory holding the base")
+    parser.add_argument("--root", type=Path, default=None, help="project root (default: this repo)")
+    args = parser.parse_args(argv)
+    project = Project(args.root) if args.root else default_project()
+    try:
+        base = pristine_base(project.manifest(), args.wheel)
+        files = generate(project, base)
+    except (BaseSourceError, PatchError) as e:
+        print(f"make patches: {e}", file=sys.stderr)
+        return 1
+    for name in write(project, files):
+        print(f"patches/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The pristine base: the upstream files the overlay replaces, exactly as the pinned torch wheel ships them.
+
+Nothing upstream is committed to this repo. The base is read from a torch wheel (a zip), from a directory
+laid out like site-packages (``<dir>/torch/...``), or from the installed torch; when fork mode has patched
+the installed torch, from the originals fork mode saved. Whatever the source, every file is verified
+against the manifest's ``base_sha256`` before it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+from torch_overlay import _fork
+from torch_overlay._guard import find_torch_dir
+from torch_overlay._manifest import Manifest
+
+WHEEL_CACHE = Path("/opt/wheels")
+
+
+class BaseSourceError(RuntimeError):
+    """The pristine base cannot be read, or a file is not the one recorded in the manifest."""
+
+
+def read_files(manifest: Manifest, source: Path) -> dict[str, bytes]:
+    """The manifest's files from a wheel or a site-packages-like directory, unverified."""
+    paths = [m.path for m in manifest.modules]
+    if source.is_file():
+        try:
+            with zipfile.ZipFile(source) as wheel:
+                return {p: wheel.read(p) for p in paths}
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise BaseSourceError(f"{source}: not a torch wheel holding the overlay's files ({e})") from e
+    files = {}
+    for p in paths:
+        try:
+            files[p] = (source / p).read_bytes()
+        except OSError as e:
+            raise BaseSourceError(f"{source}: cannot read {p} ({e.strerror})") from e
+    return files
+
+
+def verify(manifest: Manifest, files: dict[str, bytes], source: object) -> dict[str, bytes]:
+    problems = []
+    for m in manifest.modules:
+        found = hashlib.sha256(files[m.path]).hexdigest()
+        if found != m.base_sha256:
+            problems.append(f"  - {m.path}: sha256 {found}, expected {m.base_sha256}")
+    if problems:
+        raise BaseSourceError(
+            f"{source} is not the pristine base torch {manifest.version}:\n" + "\n".join(problems) + "\n"
+            f"Pass the torch {manifest.version} wheel with --wheel, or reinstall it with "
+            f"`pip install --force-reinstall --no-deps torch=={manifest.version}`."
+        )
+    return files
+
+
+def cached_wheel(manifest: Manifest) -> Path | None:
+    """A wheel of the base version in the local wheel cache, if there is one."""
+    return next(iter(sorted(WHEEL_CACHE.glob(f"{manifest.package}-{manifest.version}[-+]*.whl"))), None)
+
+
+def pristine_base(manifest: Manifest, source: Path | None = None) -> dict[str, bytes]:
+    """The verified base files, by manifest path. ``source``: a wheel or a directory; None = installed torch.
+
+    The installed torch serves when it is the base; in fork mode its saved originals do; otherwise the
+    base version's wheel from the local wheel cache, if any.
+    """
+    if source is not None:
+        return verify(manifest, read_files(manifest, source), source)
+    torch_dir = find_torch_dir()
+    state = _fork.read_state(torch_dir)
+    if state is not None:
+        originals = _fork.originals_dir(torch_dir)
+        return verify(manifest, read_files(manifest, originals), f"fork mode's saved originals {originals}")
+    installed = read_files(manifest, torch_dir.parent)
+    try:
+        return verify(manifest, installed, f"the installed torch at {torch_dir}")
+    except BaseSourceError:
+        wheel = cached_wheel(manifest)
+        if wheel is None:
+            raise
+        return verify(manifest, read_files(manifest, wheel), wheel)

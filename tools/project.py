@@ -1,0 +1,52 @@
+"""Where the inputs of the patch tools live: a project root with the manifest, the overlay, series.toml, tests.
+
+The tools take a :class:`Project` instead of reading fixed paths so that their tests can run them on a
+synthetic project in a temporary directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch_overlay._manifest import Manifest, load_manifest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Project:
+    root: Path
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "torch_overlay" / "manifest.json"
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def series_toml(self) -> Path:
+        return self.patches_dir / "series.toml"
+
+    def manifest(self) -> Manifest:
+        return load_manifest(self.manifest_path)
+
+    def overlay_file(self, path: str) -> Path:
+        """Our version of upstream file ``path`` (``torch/...``)."""
+        return self.root / "torch_overlay" / path
+
+    def overlay_files(self) -> dict[str, bytes]:
+        return {m.path: self.overlay_file(m.path).read_bytes() for m in self.manifest().modules}
+
+    def repo_file(self, path: str) -> Path:
+        """A file at its PyTorch-checkout path in this repo (``test/...``)."""
+        return self.root / path
+
+    def upstream_edit_file(self, path: str) -> Path:
+        return self.root / "test" / "upstream_edits" / (path + ".diff")
+
+
+def default_project() -> Project:
+    return Project(REPO_ROOT)

@@ -1,0 +1,162 @@
+"""``patches/series.toml``: the upstream series, and how the overlay's changes split into its patches.
+
+Each overlay file is diffed against its pristine base with zero context (difflib opcodes); every changed
+block must be claimed by exactly one patch. Patch k's version of a file is the base plus the blocks of
+patches 1..k, so applying the series in order rebuilds the overlay exactly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
+class SeriesError(ValueError):
+    """series.toml is malformed, or its claims do not split the overlay's changes into its patches."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    file: str
+    match: re.Pattern[str]
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    title: str
+    summary: str
+    test_plan: str
+    fixes: tuple[int, ...]
+    claims: tuple[Claim, ...]
+    tests: tuple[str, ...]
+    """New test files the patch adds whole (PyTorch checkout paths)."""
+    upstream_test_edits: tuple[str, ...]
+    """Upstream test files the patch edits; each diff lives at ``test/upstream_edits/<path>.diff``."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One changed block of an overlay file against its base (a difflib opcode that is not 'equal')."""
+
+    file: str
+    base_start: int
+    base_end: int
+    new_lines: tuple[str, ...]
+    old_lines: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The lines a claim is matched against: the new side, or the old side of a pure deletion."""
+        return "".join(self.new_lines or self.old_lines)
+
+    def where(self) -> str:
+        first = (self.new_lines or self.old_lines or ("",))[0].strip()
+        return f"{self.file}:{self.base_start + 1}: {first!r}"
+
+
+def load_series(path: Path) -> list[Patch]:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SeriesError(f"{path}: cannot read the series ({e})") from e
+    patches = []
+    for number, entry in enumerate(raw.get("patch", []), 1):
+        where = f"{path}: [[patch]] #{number}"
+        try:
+            name = entry["name"]
+            if not _NAME_RE.match(name):
+                raise SeriesError(f"{where}: name {name!r} must be lowercase letters, digits and dashes")
+            claims = tuple(Claim(c["file"], re.compile(c["match"])) for c in entry.get("claims", []))
+            patches.append(
+                Patch(
+                    name=name,
+                    title=entry["title"].strip(),
+                    summary=entry["summary"].strip(),
+                    test_plan=entry["test_plan"].strip(),
+                    fixes=tuple(int(n) for n in entry.get("fixes", [])),
+                    claims=claims,
+                    tests=tuple(entry.get("tests", [])),
+                    upstream_test_edits=tuple(entry.get("upstream_test_edits", [])),
+                )
+            )
+        except KeyError as e:
+            raise SeriesError(f"{where}: missing key {e}") from e
+        except re.error as e:
+            raise SeriesError(f"{where}: bad claim regex: {e}") from e
+    if not patches:
+        raise SeriesError(f"{path}: no [[patch]] entries")
+    names = [p.name for p in patches]
+    if len(set(names)) != len(names):
+        raise SeriesError(f"{path}: duplicate patch names in {names}")
+    return patches
+
+
+def changed_blocks(path: str, base: bytes, overlay: bytes) -> list[Block]:
+    a = base.decode("utf-8").splitlines(keepends=True)
+    b = overlay.decode("utf-8").splitlines(keepends=True)
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return [
+        Block(path, i1, i2, tuple(b[j1:j2]), tuple(a[i1:i2]))
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+        if tag != "equal"
+    ]
+
+
+def assign_blocks(patches: list[Patch], base: dict[str, bytes], overlay: dict[str, bytes]) -> dict[Block, int]:
+    """Which patch (index into ``patches``) owns each changed block; raises naming every problem."""
+    owner: dict[Block, int] = {}
+    problems = []
+    used: set[tuple[int, int]] = set()
+    known = set(base)
+    for patch in patches:
+        for claim in patch.claims:
+            if claim.file not in known:
+                problems.append(f"patch {patch.name!r} claims {claim.file}, which is not in the manifest")
+    for path in base:
+        for block in changed_blocks(path, base[path], overlay[path]):
+            hits = [
+                (k, c)
+                for k, patch in enumerate(patches)
+                for c, claim in enumerate(patch.claims)
+                if claim.file == path and claim.match.search(block.text)
+            ]
+            owners = sorted({k for k, _ in hits})
+            if not owners:
+                problems.append(f"{block.where()}: changed block claimed by no patch")
+            elif len(owners) > 1:
+                names = ", ".join(patches[k].name for k in owners)
+                problems.append(f"{block.where()}: changed block claimed by several patches: {names}")
+            else:
+                owner[block] = owners[0]
+            used.update(hits)
+    for k, patch in enumerate(patches):
+        for c, claim in enumerate(patch.claims):
+            if (k, c) not in used and claim.file in known:
+                problems.append(
+                    f"patch {patch.name!r}: claim {claim.match.pattern!r} matches no changed block of {claim.file}"
+                )
+    if problems:
+        raise SeriesError("series.toml does not split the overlay into its patches:\n  - " + "\n  - ".join(problems))
+    return owner
+
+
+def file_states(patches: list[Patch], base: dict[str, bytes], overlay: dict[str, bytes]) -> list[dict[str, bytes]]:
+    """Each manifest file after patches 1..k, for k = 1..n (the last equals the overlay)."""
+    owner = assign_blocks(patches, base, overlay)
+    states = []
+    for k in range(len(patches)):
+        state = {}
+        for path, content in base.items():
+            lines = content.decode("utf-8").splitlines(keepends=True)
+            for block in reversed(changed_blocks(path, content, overlay[path])):
+                if owner[block] <= k:
+                    lines[block.base_start : block.base_end] = block.new_lines
+            state[path] = "".join(lines).encode("utf-8")
+        states.append(state)
+    return states
