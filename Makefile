@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-stock test-overlay lint apply-overlay revert-overlay status check clean
+.PHONY: install test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches \
+	apply-patches revert-patches ghstack rebase
 
 install: $(VENV)/.installed
 
@@ -37,8 +38,29 @@ revert-overlay: install
 status: install
 	$(PY) -m torch_overlay.activate --status
 
+# The base, then the sync check: patches/ must reproduce the overlay and its tests byte for byte.
 check: install
 	$(PY) -m torch_overlay.activate --check
+	$(PY) -m tools.check $(if $(WHEEL),--wheel $(WHEEL))
+
+# patches/NNNN-*.patch and patches/series, generated from the overlay and patches/series.toml.
+patches: install
+	$(PY) -m tools.patches $(if $(WHEEL),--wheel $(WHEEL))
+
+# Fork mode: the series applied in place to this environment's torch, and reverted byte for byte.
+apply-patches: install
+	$(PY) -m torch_overlay apply-patches
+
+revert-patches: install
+	$(PY) -m torch_overlay revert-patches
+
+# One commit per patch on a branch of a PyTorch checkout, then `ghstack submit $(GHSTACK_ARGS)`.
+ghstack: install
+	$(PY) -m tools.ghstack_export --pytorch-dir "$(PYTORCH_DIR)" -- $(GHSTACK_ARGS)
+
+# 3-way merge of the overlay onto another torch (a wheel or a site-packages-like directory).
+rebase: install
+	$(PY) -m tools.rebase --upstream "$(UPSTREAM)" --out "$(or $(OUT),build/rebase)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from torch_overlay import _fork
 from torch_overlay._guard import BaseMismatchError
 from torch_overlay._persistent import install_hook, remove_hook
 from torch_overlay._status import status
 
 
 def _apply() -> int:
+    refusal = _fork.refusal("install the persistent overlay")
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 1
     path, changed = install_hook()
     if changed:
         print(f"torch-overlay: persistent overlay installed: {path}")
@@ -48,13 +54,37 @@ def _check() -> int:
     return 1
 
 
+def _apply_patches(patches_dir: Path) -> int:
+    state, changed = _fork.apply(patches_dir)
+    files = ", ".join(f.path for f in state.files if f.before_sha256 != f.after_sha256)
+    if changed:
+        print(f"torch-overlay: fork mode applied: {len(state.patches)} patches to torch {state.base_version}: {files}")
+        print("Revert with `torch-overlay revert-patches`.")
+    else:
+        print(f"torch-overlay: fork mode already applied ({len(state.patches)} patches; nothing changed)")
+    return 0
+
+
+def _revert_patches(patches_dir: Path) -> int:
+    state = _fork.revert()
+    if state is None:
+        print("torch-overlay: fork mode is not applied (nothing changed)")
+    else:
+        restored = sum(f.before_sha256 != f.after_sha256 for f in state.files)
+        print(f"torch-overlay: fork mode reverted: {restored} files restored to torch {state.base_version}")
+    return 0
+
+
 ACTIONS = {"apply": _apply, "revert": _revert, "status": _status, "check": _check}
+PATCH_ACTIONS = {"apply-patches": _apply_patches, "revert-patches": _revert_patches}
 
 
-def run(action: str) -> int:
+def run(action: str, patches_dir: Path = _fork.DEFAULT_PATCHES_DIR) -> int:
     try:
+        if action in PATCH_ACTIONS:
+            return PATCH_ACTIONS[action](patches_dir)
         return ACTIONS[action]()
-    except BaseMismatchError as e:
+    except (BaseMismatchError, _fork.ForkError) as e:
         print(e, file=sys.stderr)
         return 1
 
@@ -87,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("revert-overlay", help="remove the persistent overlay")
     sub.add_parser("status", help="say what is active")
     sub.add_parser("check", help="verify the base and the hook without changing anything")
+    for name, text in [
+        ("apply-patches", "fork mode: apply the patch series in place to the installed torch"),
+        ("revert-patches", "restore the files fork mode replaced, byte for byte"),
+    ]:
+        command = sub.add_parser(name, help=text)
+        command.add_argument("--patches", type=Path, default=_fork.DEFAULT_PATCHES_DIR, help="patches/ directory")
     args = parser.parse_args(argv)
     action = {"apply-overlay": "apply", "revert-overlay": "revert"}.get(args.command, args.command)
-    return run(action)
+    return run(action, getattr(args, "patches", _fork.DEFAULT_PATCHES_DIR))

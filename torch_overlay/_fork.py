@@ -199,6 +199,7 @@ def _save_originals(torch_dir: Path, base: dict[str, bytes], state: ForkState) -
     directory = state_dir(torch_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{STATE_DIR_NAME}-", dir=directory.parent))
     try:
+        tmp.chmod(0o755)
         for path, content in base.items():
             (tmp / "originals" / path).parent.mkdir(parents=True, exist_ok=True)
             (tmp / "originals" / path).write_bytes(content)

@@ -29,7 +29,8 @@ from enum import Enum
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
-from torch_overlay._guard import check_base, require_base
+from torch_overlay import _fork
+from torch_overlay._guard import BaseMismatchError, check_base, require_base
 from torch_overlay._manifest import Manifest, OverlayModule, load_manifest
 
 
@@ -75,7 +76,9 @@ class _OverlayFinder(importlib.abc.MetaPathFinder):
             self._guard_pending = False
             check = check_base(self._manifest)
             if not check.ok:
-                self.disabled_reason = "; ".join(check.problems())
+                fork = _fork.active_state(check.torch_dir)
+                problems = ["fork mode is active (the series is applied in place)"] if fork else check.problems()
+                self.disabled_reason = "; ".join(problems)
                 warnings.warn(
                     "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
                     f"its base: {self.disabled_reason}. Run `python -m torch_overlay.activate --status`.",
@@ -110,6 +113,9 @@ def activate(*, guard_on_first_use: bool = False) -> None:
         manifest = load_manifest()
         check_now = not guard_on_first_use or any(m.name in sys.modules for m in manifest.modules)
         if check_now:
+            refusal = _fork.refusal("activate the overlay")
+            if refusal:
+                raise BaseMismatchError(refusal)
             require_base("activate the overlay", manifest)
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
         try:

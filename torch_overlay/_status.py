@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch_overlay._fork import ForkState, active_state
 from torch_overlay._guard import BaseCheck, BaseMismatchError, check_base
 from torch_overlay._loader import ProcessState, process_state
 from torch_overlay._persistent import hook_is_current, installed_hook
@@ -21,6 +22,8 @@ class OverlayStatus:
     persistent_hook_current: bool
     env_value: str | None
     process: ProcessState
+    fork: ForkState | None = None
+    """Fork mode's state when the series is applied in place to the installed torch, else None."""
 
     @property
     def ok(self) -> bool:
@@ -50,6 +53,8 @@ class OverlayStatus:
             rows.append(("torch", f"not found ({self.base_error})"))
         hook = self.persistent_hook
         rows.append(("persistent", f"installed ({hook})" if hook else "not installed"))
+        fork = self.fork
+        rows.append(("fork mode", f"applied ({len(fork.patches)} patches in place)" if fork else "not applied"))
         env = "unset" if self.env_value is None else self.env_value
         if self.env_value is not None and self.env_value.strip() == "0":
             env += " (start-up hook off for this process)"
@@ -80,6 +85,7 @@ def status() -> OverlayStatus:
         base_error=base_error,
         persistent_hook=hook,
         persistent_hook_current=hook is not None and hook_is_current(hook),
+        fork=active_state(base.torch_dir if base is not None else None),
         env_value=os.environ.get(ENV_VAR),
         process=process_state(),
     )
