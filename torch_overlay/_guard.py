@@ -9,6 +9,7 @@ reads files, so it is cheap enough for interpreter start-up.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -76,17 +77,20 @@ def public_version(version: str) -> str:
 
 
 def find_torch_dir() -> Path:
-    """The installed ``torch`` package directory, found without importing torch."""
+    """The installed ``torch`` package directory, found without importing torch.
+
+    NOTE: absolute, not resolved: a torch tree made of symlinks is checked where it is imported from.
+    """
     module = sys.modules.get("torch")
     if module is not None and getattr(module, "__file__", None):
-        return Path(module.__file__).resolve().parent
+        return Path(os.path.abspath(module.__file__)).parent
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         raise BaseMismatchError(
             f"torch_overlay: torch is not installed for {sys.executable}. "
             "Install the base with `pip install torch==2.13.0`."
         )
-    return Path(next(iter(spec.submodule_search_locations))).resolve()
+    return Path(os.path.abspath(next(iter(spec.submodule_search_locations))))
 
 
 def read_torch_version(torch_dir: Path) -> str | None:

@@ -17,8 +17,11 @@ from torch_overlay._guard import require_base
 
 HOOK_FILE_NAME = "torch_overlay_startup.pth"
 
+# NOTE: CPython 3.11 runs the .pth files of a virtual environment twice at start-up (once from site.venv());
+# the marker on ``sys`` keeps the hook to one run and one warning per interpreter.
 _HOOK_CODE = """\
-if os.environ.get("TORCH_OVERLAY", "").strip() != "0":
+if os.environ.get("TORCH_OVERLAY", "").strip() != "0" and not getattr(sys, "_torch_overlay_hook_ran", False):
+    sys._torch_overlay_hook_ran = True
     try:
         from torch_overlay._startup import boot
     except Exception as e:

@@ -1,0 +1,146 @@
+"""In-process activation: before and after torch is imported, exact deactivation, idempotence, threads.
+
+Each scenario runs in a fresh interpreter that starts on stock torch, so the suite's own activation does
+not interfere.
+"""
+
+import json
+import sys
+import textwrap
+import unittest
+
+from scratch_env import run
+
+PRELUDE = textwrap.dedent(
+    """
+    import inspect, json, sys, threading, types
+    import torch_overlay
+    from torch_overlay._manifest import load_manifest, PACKAGE_DIR
+
+    NAMES = [m.name for m in load_manifest().modules]
+
+    def is_ours(fn):
+        return inspect.unwrap(fn).__code__.co_filename.startswith(str(PACKAGE_DIR))
+
+    def references():
+        # Every global, in every module, bound to a manifest module or to an object defined in one.
+        targets = set()
+        for name in NAMES:
+            module = sys.modules[name]
+            targets.add(id(module))
+            targets |= {id(v) for v in vars(module).values() if getattr(v, "__module__", None) == name}
+        return {
+            (module_name, attr): value
+            for module_name, module in list(sys.modules.items())
+            if isinstance(module, types.ModuleType)
+            for attr, value in list(vars(module).items())
+            if id(value) in targets
+        }
+    """
+)
+
+
+def run_scenario(body: str) -> dict:
+    result = run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)])
+    if result.returncode != 0:
+        raise AssertionError(f"scenario failed (rc {result.returncode}):\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class ActivationTest(unittest.TestCase):
+    def test_after_import_round_trip_restores_every_object(self):
+        report = run_scenario(
+            """
+            import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_api
+            import torch.distributed.fsdp._state_dict_utils as state_dict_utils
+            import torch.distributed.tensor.parallel.fsdp as tp_fsdp
+            import torch.distributed.tensor.parallel.ddp  # noqa: F401
+            before, modules, meta_path = references(), {n: sys.modules[n] for n in NAMES}, list(sys.meta_path)
+
+            threads = [threading.Thread(target=torch_overlay.activate) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            swapped = list(sys.modules[n] for n in NAMES)
+            torch_overlay.activate()
+            report = {
+                "finders_added": len(sys.meta_path) - len(meta_path),
+                "second_activate_noop": all(sys.modules[n] is m for n, m in zip(NAMES, swapped)),
+                "importers_rebound": [
+                    is_ours(fsdp_api._unshard_params),
+                    is_ours(fsdp_api._unshard_params_for_summon),
+                    is_ours(state_dict_utils._unshard_fsdp_state_params),
+                    is_ours(tp_fsdp._flatten_tensor),
+                    is_ours(sys.modules["torch.distributed.tensor.parallel.ddp"]._flatten_tensor),
+                ],
+                "parent_attribute": sys.modules["torch.distributed.fsdp"]._unshard_param_utils is swapped[2],
+                "status_active": torch_overlay.status().process.active,
+            }
+            torch_overlay.deactivate()
+            torch_overlay.deactivate()
+            after = references()
+            report.update(
+                same_bindings=sorted(map(str, before)) == sorted(map(str, after)),
+                same_objects=all(before[key] is after[key] for key in before),
+                same_modules=all(sys.modules[n] is m for n, m in modules.items()),
+                same_meta_path=sys.meta_path == meta_path,
+                status_active_after=torch_overlay.status().process.active,
+                bindings_checked=len(before),
+            )
+            print(json.dumps(report))
+            """
+        )
+        self.assertEqual(report.pop("importers_rebound"), [True] * 5)
+        self.assertGreater(report.pop("bindings_checked"), 20)
+        self.assertEqual(
+            report,
+            {
+                "finders_added": 1,
+                "second_activate_noop": True,
+                "parent_attribute": True,
+                "status_active": True,
+                "same_bindings": True,
+                "same_objects": True,
+                "same_modules": True,
+                "same_meta_path": True,
+                "status_active_after": False,
+            },
+        )
+
+    def test_before_import_is_lazy_and_reversible(self):
+        report = run_scenario(
+            """
+            torch_overlay.activate()
+            report = {"torch_imported_by_activate": "torch" in sys.modules}
+            import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_api
+            import torch.distributed.tensor.parallel.fsdp as tp_fsdp
+            report["served_lazily"] = is_ours(fsdp_api._unshard_params) and is_ours(tp_fsdp._flatten_tensor)
+            torch_overlay.deactivate()
+            report["stock_after_deactivate"] = not is_ours(fsdp_api._unshard_params) and not any(
+                is_ours(f) for f in (tp_fsdp._flatten_tensor, sys.modules[NAMES[2]]._unshard_params)
+            )
+            print(json.dumps(report))
+            """
+        )
+        self.assertEqual(
+            report, {"torch_imported_by_activate": False, "served_lazily": True, "stock_after_deactivate": True}
+        )
+
+    def test_env_kill_switch_wins_over_activate(self):
+        result = run(
+            [
+                sys.executable,
+                "-c",
+                "import warnings, torch_overlay\n"
+                "with warnings.catch_warnings(record=True) as w:\n"
+                "    warnings.simplefilter('always'); torch_overlay.activate()\n"
+                "print(torch_overlay.status().process.active, [str(x.message) for x in w])",
+            ],
+            env={**__import__("scratch_env").clean_env(), "TORCH_OVERLAY": "0"},
+        )
+        self.assertEqual(result.stdout.strip(), "False ['torch_overlay.activate() ignored: TORCH_OVERLAY=0 is set']")
+
+
+if __name__ == "__main__":
+    unittest.main()

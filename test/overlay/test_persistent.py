@@ -1,0 +1,109 @@
+"""Persistent activation in a scratch virtual environment: install, every new process and spawned child,
+TORCH_OVERLAY=0, status and check, revert, and a start-up hook that can never break interpreter start-up."""
+
+import re
+import tempfile
+import unittest
+from pathlib import Path
+
+from expecttest import TestCase
+from scratch_env import ScratchVenv, clean_env, probe, run, tamper, torch_tree
+
+from torch_overlay._manifest import load_manifest
+from torch_overlay._persistent import hook_text
+
+UNSHARD = load_manifest().module("torch.distributed.fsdp._unshard_param_utils")
+
+
+class PersistentHookTest(TestCase):
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.root = Path(self._tmp.name)
+        self.venv = ScratchVenv(self.root / "venv")
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def cli(self, *args: str, env: dict[str, str] | None = None):
+        return run([self.venv.python, "-m", "torch_overlay.activate", *args], env=env)
+
+    def test_install_reaches_new_processes_and_spawned_children_then_reverts(self):
+        first, second = self.cli(), self.cli()
+        self.assertEqual(first.returncode, 0, first.stderr)
+        self.assertIn(f"persistent overlay installed: {self.venv.hook}", first.stdout)
+        self.assertIn("already installed", second.stdout)
+
+        report = probe(self.venv.python, "--spawn")
+        self.assertFalse(report["at_start"]["torch_imported"], "the start-up hook must not import torch")
+        self.assertTrue(report["here"]["warning_fixed"], report)
+        self.assertTrue(report["spawned_child"]["warning_fixed"], report)
+        off = probe(self.venv.python, env=clean_env(TORCH_OVERLAY="0"))
+        self.assertTrue(off["here"]["warning_stock"], off)
+
+        status = self.cli("--status").stdout.replace(str(self.root), "<tmp>")
+        status = re.sub(r"torch: .*\n", "torch: <version> at <path>\n", status)
+        self.assertExpectedInline(
+            status,
+            """\
+torch: <version> at <path>
+base:          torch 2.13.0, 3 files: matches
+persistent:    installed (<tmp>/venv/lib/python3.11/site-packages/torch_overlay_startup.pth)
+fork mode:     not applied
+TORCH_OVERLAY: unset
+this process:  active
+  torch.distributed.tensor.parallel._data_parallel_utils  not imported
+  torch.distributed.tensor.parallel.ddp                   not imported
+  torch.distributed.fsdp._unshard_param_utils             not imported
+""",
+        )
+        self.assertEqual(self.cli("--check").returncode, 0)
+
+        reverted = self.cli("--revert")
+        self.assertIn(f"persistent overlay removed: {self.venv.hook}", reverted.stdout)
+        self.assertFalse(self.venv.hook.exists())
+        self.assertTrue(probe(self.venv.python)["here"]["warning_stock"])
+        self.assertIn("nothing changed", self.cli("--revert").stdout)
+
+    def test_install_refused_on_a_tampered_base_and_nothing_written(self):
+        torch_tree(self.root / "tree", (UNSHARD.path.removeprefix("torch/"),))
+        tamper(UNSHARD.upstream_file(self.root / "tree" / "torch"), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        result = self.cli(env=clean_env(PYTHONPATH=str(self.root / "tree")))
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("refusing to install the start-up hook", result.stderr)
+        self.assertIn(UNSHARD.path, result.stderr)
+        self.assertFalse(self.venv.hook.exists())
+
+    def test_hook_stands_down_on_a_base_changed_after_install(self):
+        self.assertEqual(self.cli().returncode, 0)
+        torch_tree(self.root / "tree", (UNSHARD.path.removeprefix("torch/"),))
+        tamper(UNSHARD.upstream_file(self.root / "tree" / "torch"), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        result = run(
+            [self.venv.python, "-W", "always", "-c", "import torch.distributed.fsdp; print('ok')"],
+            env=clean_env(PYTHONPATH=str(self.root / "tree")),
+        )
+        self.assertEqual((result.returncode, result.stdout), (0, "ok\n"), result.stderr)
+        warnings = [line for line in result.stderr.splitlines() if "torch_overlay" in line]
+        self.assertEqual(len(warnings), 1, result.stderr)
+        self.assertIn("the overlay is NOT active in this process", warnings[0])
+
+    def test_broken_or_missing_package_never_breaks_startup(self):
+        self.assertEqual(self.cli().returncode, 0)
+        broken = self.root / "broken" / "torch_overlay"
+        broken.mkdir(parents=True)
+        (broken / "__init__.py").write_text("raise RuntimeError('half-uninstalled')\n")
+        gone = ScratchVenv(self.root / "gone", with_package=False)
+        gone.hook.write_text(hook_text(gone.hook))
+        for python, env in (
+            (self.venv.python, clean_env(PYTHONPATH=str(broken.parent))),
+            (gone.python, clean_env()),
+        ):
+            result = run([python, "-c", "import sys; print('torch' in sys.modules)"], env=env)
+            self.assertEqual((result.returncode, result.stdout), (0, "False\n"), result.stderr)
+            lines = result.stderr.splitlines()
+            self.assertEqual(len(lines), 1, result.stderr)
+            self.assertIn("torch_overlay: start-up hook", lines[0])
+            self.assertIn("did nothing", lines[0])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,75 @@
+"""The --stock harness itself: a listed test counts only when it fails on stock with its listed error."""
+
+import re
+import shutil
+import sys
+import tempfile
+import textwrap
+import unittest
+from pathlib import Path
+
+from scratch_env import REPO_ROOT, run
+
+SYNTHETIC_TESTS = textwrap.dedent(
+    """
+    import unittest
+
+    class T(unittest.TestCase):
+        def test_red_as_listed(self):
+            raise AssertionError("the stock defect")
+
+        def test_red_for_another_reason(self):
+            raise AssertionError("something else")
+
+        def test_passes_on_stock(self):
+            pass
+
+        def test_skipped_on_stock(self):
+            raise unittest.SkipTest("hidden")
+
+        def test_not_listed(self):
+            raise AssertionError("never runs with --stock")
+    """
+)
+
+
+class RedGreenHarnessTest(unittest.TestCase):
+    def test_stock_run_judges_each_listed_test(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            (root / "test" / "overlay").mkdir(parents=True)
+            shutil.copy(REPO_ROOT / "test" / "conftest.py", root / "test" / "conftest.py")
+            (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
+            node = "test/test_synthetic.py::T::"
+            (root / "test" / "overlay" / "red_on_stock.txt").write_text(
+                f"# comment\n{node}test_red_as_listed the stock defect\n"
+                f"{node}test_red_for_another_reason the stock defect\n"
+                f"{node}test_passes_on_stock the stock defect\n"
+                f"{node}test_skipped_on_stock the stock defect\n"
+            )
+            (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n")
+            result = run([sys.executable, "-m", "pytest", "--stock", "-rA", "test"], cwd=root)
+        self.assertEqual(result.returncode, 1, result.stdout)
+        outcomes = {
+            name: outcome
+            for outcome, name in re.findall(
+                r"^(XFAIL|FAILED|PASSED|SKIPPED) test/test_synthetic.py::T::(\w+)", result.stdout, re.M
+            )
+        }
+        self.assertEqual(
+            outcomes,
+            {
+                "test_red_as_listed": "XFAIL",
+                "test_red_for_another_reason": "FAILED",
+                "test_passes_on_stock": "FAILED",
+                "test_skipped_on_stock": "FAILED",
+            },
+            result.stdout,
+        )
+        self.assertIn("does not prove its fix", result.stdout)
+        self.assertIn("but not with /the stock defect/", result.stdout)
+        self.assertRegex(result.stdout, r"1 deselected")
+
+
+if __name__ == "__main__":
+    unittest.main()
