@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,8 +103,11 @@ def commit_message(patch: Patch, edits: list[UpstreamEdit], version: str) -> str
     parts = [patch.title, "Summary:\n" + patch.summary]
     for edit in edits:
         parts.append(
-            f"Note: the changes to {edit.path} were made against {edit.base}; the base of the rest of this "
-            f"patch is torch {version}, whose commit is not available offline to this tool."
+            textwrap.fill(
+                f"Note: the changes to {edit.path} were made against {edit.base}; the base of the rest of this "
+                f"patch is torch {version}, whose commit is not available offline to this tool.",
+                width=72,
+            )
         )
     parts.append("Test Plan:\n" + patch.test_plan)
     if patch.fixes:

@@ -1,0 +1,109 @@
+"""A synthetic project for the patch tools' tests: fake manifest, base, overlay, series.toml and tests.
+
+Two fake upstream files (``torch/fake/alpha.py``, ``torch/fake/beta.py``) and a two-patch series: the tools
+are tested on these, so the tests do not depend on the state of the real overlay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+from tools.project import Project
+
+ALPHA = "".join(f"line {n}\n" for n in range(1, 21))
+BETA = "def beta():\n    return 1\n"
+OVERLAY = {
+    "torch/fake/alpha.py": ALPHA.replace("line 3\n", "line 3 fixed\n").replace("line 15\n", "line 15 extended\n"),
+    "torch/fake/beta.py": BETA.replace("return 1", "return 2  # extended"),
+}
+BASE = {"torch/fake/alpha.py": ALPHA, "torch/fake/beta.py": BETA}
+
+SERIES = '''
+[[patch]]
+name = "fix-alpha"
+title = "[FSDP] Fix line 3"
+summary = """
+Line 3 was wrong.
+"""
+test_plan = """
+python test/fake/test_one.py
+"""
+fixes = [12345]
+claims = [{ file = "torch/fake/alpha.py", match = "fixed" }]
+tests = ["test/fake/test_one.py"]
+upstream_test_edits = []
+
+[[patch]]
+name = "extend"
+title = "[2D] Extend alpha and beta"
+summary = """
+Extends two things.
+"""
+test_plan = """
+python test/fake/test_two.py
+"""
+fixes = []
+claims = [
+  { file = "torch/fake/alpha.py", match = "extended" },
+  { file = "torch/fake/beta.py", match = "extended" },
+]
+tests = ["test/fake/test_two.py"]
+upstream_test_edits = ["test/fake/test_upstream.py"]
+'''
+
+UPSTREAM_TEST_OLD = "import torch\n\n\ndef test_a():\n    assert 1\n"
+UPSTREAM_TEST_NEW = "import torch\n\n\ndef test_a():\n    assert 2\n"
+
+
+def git_diff(old: str, new: str, path: str, tmp: Path) -> str:
+    """``git diff`` of two versions of ``path`` with a/ and b/ paths, as test/upstream_edits holds it."""
+    repo = tmp / "diffrepo"
+    (repo / path).parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    (repo / path).write_text(old)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    (repo / path).write_text(new)
+    return subprocess.run(["git", "diff"], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+
+
+def make_project(tmp: Path) -> tuple[Project, Path]:
+    """(the project, a site-packages-like directory holding its pristine base)."""
+    base_dir, root = tmp / "base", tmp / "project"
+    write(base_dir, BASE)
+    manifest = {
+        "base": {"package": "torch", "version": "9.9.0"},
+        "modules": [
+            {
+                "name": p.removesuffix(".py").replace("/", "."),
+                "path": p,
+                "base_sha256": hashlib.sha256(t.encode()).hexdigest(),
+            }
+            for p, t in BASE.items()
+        ],
+    }
+    write(root, {"torch_overlay/manifest.json": json.dumps(manifest, indent=2) + "\n"})
+    write(root, {f"torch_overlay/{p}": t for p, t in OVERLAY.items()})
+    write(root, {"patches/series.toml": textwrap.dedent(SERIES).lstrip()})
+    write(
+        root,
+        {
+            "test/fake/test_one.py": "def test_one():\n    pass\n",
+            "test/fake/test_two.py": "def test_two():\n    pass\n",
+        },
+    )
+    diff = git_diff(UPSTREAM_TEST_OLD, UPSTREAM_TEST_NEW, "test/fake/test_upstream.py", tmp)
+    write(root, {
+        "test/upstream_edits/test/fake/test_upstream.py.diff": "Upstream-Base: pytorch/pytorch@abc123\n" + diff,
+        "test/fake/test_upstream.py": UPSTREAM_TEST_NEW,
+    })  # fmt: skip
+    return Project(root), base_dir
