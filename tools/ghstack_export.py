@@ -46,7 +46,8 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, branch: str = DEFAULT_BRA
     if made.returncode != 0:
         raise ExportError(f"{pytorch_dir}: cannot create branch {branch!r}: {made.stderr.strip()} (use --branch)")
     for patch in patches:
-        applied = _git(pytorch_dir, "am", "--quiet", "--keep-cr", str(patch.resolve()))
+        # NOTE: --keep-non-patch: plain `git am` strips every [...] of the subject, our [FSDP] and [2D] tags too.
+        applied = _git(pytorch_dir, "am", "--quiet", "--keep-cr", "--keep-non-patch", str(patch.resolve()))
         if applied.returncode != 0:
             _git(pytorch_dir, "am", "--abort")
             _git(pytorch_dir, "checkout", "--quiet", previous)

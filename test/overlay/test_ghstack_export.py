@@ -1,0 +1,103 @@
+"""The series as a ghstack stack, end to end and offline, against ghstack's own fake GitHub.
+
+As ghstack's own tests do (``ghstack.test_prelude``), a bare git repository stands in for pytorch/pytorch on
+the fake GitHub and a clone of it for the contributor's checkout; the checkout gets the pristine base files,
+``export_stack`` commits the series onto a branch with ``git am``, and ghstack submits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import tempfile
+import unittest
+from pathlib import Path
+
+import expecttest
+import ghstack.test_prelude as gh
+from _patch_project import BASE, UPSTREAM_TEST_OLD, make_project
+
+from tools.ghstack_export import ExportError, export_stack
+from tools.patches import generate, write
+from tools.pristine import pristine_base
+
+
+async def _submit_stack(patches_dir: Path) -> tuple[list[str], list[dict]]:
+    async with gh.scoped_test(direct=False):
+        checkout = Path(gh.CTX.sh.cwd)
+        for path, text in {**BASE, "test/fake/test_upstream.py": UPSTREAM_TEST_OLD}.items():
+            (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+            await gh.write_file_and_add(path, text)
+        await gh.git("commit", "-m", "Upstream base")
+        await gh.git("push", "origin", "HEAD:main")
+        await gh.git("config", "user.name", "A U Thor")
+        await gh.git("config", "user.email", "author@example.com")
+        commits = export_stack(checkout, patches_dir, "overlay-stack")
+        await gh.gh_submit("Initial")
+        result = await gh.CTX.github.graphql(
+            """
+            query {
+              repository(name: "pytorch", owner: "pytorch") {
+                pullRequests { nodes { number title body baseRefName headRefName } }
+              }
+            }
+            """
+        )
+        return commits, result["data"]["repository"]["pullRequests"]["nodes"]
+
+
+class TestGhstackExport(expecttest.TestCase):
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.project, base_dir = make_project(Path(self._tmp.name))
+        write(self.project, generate(self.project, pristine_base(self.project.manifest(), base_dir)))
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def test_one_pr_per_patch_in_order(self) -> None:
+        commits, prs = asyncio.run(_submit_stack(self.project.patches_dir))
+        self.assertEqual(len(commits), 2)
+        prs.sort(key=lambda pr: pr["number"])
+        self.assertExpectedInline(
+            "\n".join(f"#{pr['number']} {pr['title']} ({pr['headRefName']} -> {pr['baseRefName']})" for pr in prs),
+            """\
+#500 [FSDP] Fix line 3 (gh/ezyang/1/head -> gh/ezyang/1/base)
+#501 [2D] Extend alpha and beta (gh/ezyang/2/head -> gh/ezyang/2/base)""",
+        )
+        self.assertExpectedInline(
+            prs[0]["body"].replace("\r", ""),
+            """\
+Stack:
+* #501
+* __->__ #500
+
+Summary:
+Line 3 was wrong.
+
+Test Plan:
+python test/fake/test_one.py
+
+Fixes #12345""",
+        )
+        self.assertIn("Summary:\nExtends two things.", prs[1]["body"].replace("\r", ""))
+        self.assertIn("Test Plan:\npython test/fake/test_two.py", prs[1]["body"].replace("\r", ""))
+
+    def test_patch_that_does_not_apply_leaves_checkout_alone(self) -> None:
+        checkout = Path(self._tmp.name) / "checkout"
+        subprocess.run(["git", "init", "-q", "-b", "main", str(checkout)], check=True)
+        (checkout / "README").write_text("not pytorch\n")
+        subprocess.run(["git", "add", "."], cwd=checkout, check=True)
+        env = ["-c", "user.name=A", "-c", "user.email=a@b"]
+        subprocess.run(["git", *env, "commit", "-q", "-m", "x"], cwd=checkout, check=True)
+        with self.assertRaises(ExportError) as e:
+            export_stack(checkout, self.project.patches_dir)
+        self.assertIn("0001-fix-alpha.patch does not apply to", str(e.exception))
+        head = subprocess.run(["git", "branch", "--show-current"], cwd=checkout, capture_output=True, text=True)
+        self.assertEqual(head.stdout.strip(), "main")
+        branches = subprocess.run(["git", "branch"], cwd=checkout, capture_output=True, text=True).stdout
+        self.assertNotIn("torch-overlay", branches)
+
+
+if __name__ == "__main__":
+    unittest.main()
