@@ -21,12 +21,12 @@ from unittest import mock
 
 import expecttest
 
-from torch_overlay import _fork
-from torch_overlay._guard import find_torch_dir
-from torch_overlay._manifest import MANIFEST_PATH, load_manifest
 from tools.patches import generate, write
 from tools.pristine import pristine_base
 from tools.project import REPO_ROOT, Project
+from torch_overlay import _fork
+from torch_overlay._guard import find_torch_dir
+from torch_overlay._manifest import MANIFEST_PATH, load_manifest
 
 WARNING_FILE = "torch/distributed/fsdp/_unshard_param_utils.py"
 RED_TEST = REPO_ROOT / "test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"
