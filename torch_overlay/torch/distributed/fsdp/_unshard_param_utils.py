@@ -5,6 +5,7 @@ from collections.abc import Generator
 from typing import cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp._traversal_utils as traversal_utils
 import torch.nn as nn
 from torch.distributed.fsdp._common_utils import (
@@ -25,7 +26,7 @@ from torch.distributed.fsdp._runtime_utils import (
 )
 from torch.distributed.utils import _p_assert
 
-from ._flat_param import FlatParamHandle
+from ._flat_param import FlatParamHandle, HandleShardingStrategy
 
 
 FLAT_PARAM = "_flat_param"
@@ -70,6 +71,110 @@ def _writeback_to_local_shard(
                 raise AssertionError("Expected handle.flat_param.grad to not be None")
             grad_shard = _get_shard(handle.flat_param.grad)
             existing_grad[: grad_shard.numel()].copy_(grad_shard)
+
+
+def _rank0_writeback_inter_node_pg(
+    state: _FSDPState, handle: FlatParamHandle
+) -> dist.ProcessGroup | None:
+    """
+    Returns the process group across replicas for hybrid sharding, over which
+    rank 0's replica sends the written-back shards to the other replicas, and
+    ``None`` for the other sharding strategies.
+    """
+    if handle._sharding_strategy in (
+        HandleShardingStrategy.HYBRID_SHARD,
+        HandleShardingStrategy._HYBRID_SHARD_ZERO2,
+    ):
+        return state._inter_node_pg
+    return None
+
+
+def _is_rank0_writeback_src(state: _FSDPState, handle: FlatParamHandle) -> bool:
+    """
+    Returns whether this rank keeps the unsharded parameter for
+    ``writeback=True, rank0_only=True``: rank 0 of the process group, and for
+    hybrid sharding, of the replica at rank 0 of the inter-node process group
+    (global rank 0 for the default process groups). Other ranks' changes could
+    not be kept, so they do not see the unsharded parameter.
+    """
+    inter_node_pg = _rank0_writeback_inter_node_pg(state, handle)
+    return state.rank == 0 and (
+        inter_node_pg is None or dist.get_rank(inter_node_pg) == 0
+    )
+
+
+@torch.no_grad()
+def _writeback_from_rank0(
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    body_succeeded: bool,
+) -> None:
+    """
+    For ``writeback=True, rank0_only=True``, writes back rank 0's unsharded
+    flattened parameter to the local shard of every rank: rank 0 scatters the
+    padded shards within its shard group (``NO_SHARD`` broadcasts), and for
+    hybrid sharding, rank 0's replica then broadcasts each shard to the other
+    replicas over the inter-node process group. The other ranks only receive
+    their shard, never the unsharded parameter.
+
+    Every rank must call this for the same handles in the same order. The
+    ranks first agree on whether the context body succeeded everywhere; if it
+    raised on any rank, nothing is written back on any rank, and the local
+    shards keep their values from before the context (for ``NO_SHARD``, rank
+    0's in-place changes are undone from rank 1's copy).
+
+    Precondition: If ``_is_rank0_writeback_src()``, the handle's padded
+    unsharded flattened parameter holds the values to write back.
+    """
+    flat_param = handle.flat_param
+    inter_node_pg = _rank0_writeback_inter_node_pg(state, handle)
+    # NOTE: A rank that raised inside the context reaches this point too, so
+    # the ranks agree before any collective that moves data to avoid a hang.
+    succeeded = torch.tensor(
+        [int(body_succeeded)], dtype=torch.int32, device=handle.device
+    )
+    dist.all_reduce(succeeded, op=dist.ReduceOp.MIN, group=state.process_group)
+    if inter_node_pg is not None:
+        dist.all_reduce(succeeded, op=dist.ReduceOp.MIN, group=inter_node_pg)
+    if not handle.uses_sharded_strategy:
+        if handle.world_size == 1:
+            return
+        # `NO_SHARD` changes rank 0's parameter in place: send it to the other
+        # ranks, or undo the changes from rank 1's copy if the body raised
+        src = 0 if succeeded.item() else 1
+        local_shard = flat_param.data
+    elif succeeded.item():
+        src = 0
+        local_shard = flat_param._local_shard  # type: ignore[attr-defined]
+    else:
+        # Only rank 0's unsharded parameter changed, and it is freed
+        return
+    # Collectives run on the compute device (the local shard may be offloaded)
+    buffer = (
+        local_shard
+        if local_shard.device == handle.device
+        else torch.empty_like(local_shard, device=handle.device)
+    )
+    if not handle.uses_sharded_strategy:
+        if buffer is not local_shard and state.rank == src:
+            buffer.copy_(local_shard)
+        dist.broadcast(buffer, group=state.process_group, group_src=src)
+    else:
+        if inter_node_pg is None or dist.get_rank(inter_node_pg) == 0:
+            scatter_list = None
+            if state.rank == 0:
+                scatter_list = list(
+                    handle._get_padded_unsharded_flat_param().chunk(
+                        handle.world_size
+                    )
+                )
+            dist.scatter(
+                buffer, scatter_list, group=state.process_group, group_src=0
+            )
+        if inter_node_pg is not None:
+            dist.broadcast(buffer, group=inter_node_pg, group_src=0)
+    if buffer is not local_shard:
+        local_shard.copy_(buffer)
 
 
 def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
@@ -124,6 +229,79 @@ def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
                 _register_flat_param(state, module)
 
 
+def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
+    """
+    Unshards the handle's gradient like ``_unshard_grads()``. Without
+    ``use_orig_params``, the original parameters only exist while
+    ``_unflatten_as_params()`` registers them, so ``_unsharded_grad_views()``
+    sets their gradients then.
+    """
+    flat_param = handle.flat_param
+    if handle._use_orig_params:
+        _unshard_grads(handle)
+        return
+    # NOTE: `unshard_grad()` ends by setting the gradients of the original
+    # parameters, which it clears via `_params` and `_shared_params` if all
+    # ranks have a `None` gradient; these lists are `None` without
+    # `use_orig_params`, and there is nothing to clear yet.
+    flat_param._params, flat_param._shared_params = [], []
+    try:
+        _unshard_grads(handle)
+    finally:
+        flat_param._params, flat_param._shared_params = None, None
+
+
+@contextlib.contextmanager
+def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator:
+    """
+    Assumes that the gradient is unsharded. When in the context, sets the
+    original parameters' gradients to views into the unsharded gradient, on
+    CPU if the parameters were offloaded to CPU: then the gradient is copied
+    to CPU, and back to the compute device upon exit if ``writeback=True``.
+    """
+    flat_param = handle.flat_param
+    grad = flat_param.grad
+    if grad is None:
+        # No rank has a gradient, and neither has any original parameter
+        yield
+        return
+    offloaded = grad.device != flat_param.device
+    if offloaded:
+        flat_param.grad = grad.to(flat_param.device)
+    if offloaded or not handle._use_orig_params:
+        handle._use_unsharded_grad_views()
+    try:
+        yield
+    finally:
+        if offloaded:
+            if writeback:
+                grad.copy_(flat_param.grad)
+            # NOTE: The parameter moves back to the compute device after this
+            # context, so point its gradient back there already (using `.data`
+            # like `_use_unsharded_grad_views()` to bypass the device check).
+            flat_param.grad.data = grad
+
+
+@contextlib.contextmanager
+def _no_shard_to_cpu(handle: FlatParamHandle, writeback: bool) -> Generator:
+    """
+    The ``NO_SHARD`` counterpart of ``FlatParamHandle.to_cpu()``: when in the
+    context, the flattened parameter is a CPU copy of the one on the compute
+    device, which is restored upon exit, with the CPU copy's values if
+    ``writeback=True``.
+    """
+    flat_param = handle.flat_param
+    device_flat_param = flat_param.data
+    handle.flat_param_to(torch.device("cpu"))
+    try:
+        yield
+    finally:
+        if writeback:
+            device_flat_param.copy_(flat_param.data)
+        flat_param.data = device_flat_param
+        handle._use_unsharded_views(as_params=handle._use_orig_params)
+
+
 def _validate_unshard_params_args(
     state: _FSDPState,
     writeback: bool,
@@ -131,23 +309,25 @@ def _validate_unshard_params_args(
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> None:
-    if with_grads and (offload_to_cpu or not state._use_orig_params):
-        raise NotImplementedError(
-            f"with_grads={with_grads}, "
-            f"use_orig_params={state._use_orig_params}, "
-            f"offload_to_cpu={offload_to_cpu} "
-            f"is not supported yet"
-        )
-    if offload_to_cpu and state._handle and (not state._handle.uses_sharded_strategy):
-        raise NotImplementedError(
-            "offload_to_cpu=True and NO_SHARD is not supported yet"
-        )
+    """
+    Validates the options of ``summon_full_params()``. All combinations of
+    ``writeback``, ``rank0_only``, ``offload_to_cpu`` and ``with_grads`` are
+    supported for every sharding strategy and for ``use_orig_params`` both
+    ``True`` and ``False``, except ``with_grads=True`` together with
+    ``writeback=True`` and ``rank0_only=True``. With ``NO_SHARD``,
+    ``offload_to_cpu=True`` on an accelerator exposes a CPU copy, so changes
+    persist only with ``writeback=True``.
+    """
     if writeback and rank0_only:
-        # TODO: Rank 0 can broadcast the `FlatParameter` to allow all ranks to
-        # persist the changes.
-        raise NotImplementedError(
-            "writeback=True and rank0_only=True is not supported yet"
-        )
+        # Rank 0 writes back the parameters only: scattering its unsharded
+        # gradient as well is not implemented.
+        if with_grads:
+            raise NotImplementedError(
+                "writeback=True and rank0_only=True do not support "
+                "with_grads=True: only rank 0's parameters are written back. "
+                "Pass rank0_only=False to modify the gradients, or "
+                "with_grads=False."
+            )
     if offload_to_cpu and not rank0_only:
         warnings.warn(
             "offload_to_cpu=True and rank0_only=False may result in the "
@@ -193,24 +373,40 @@ def _unshard_fsdp_state_params(
         )
 
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    # NOTE: With `rank0_only=True`, writing back means sending rank 0's
+    # unsharded parameter to the other ranks after the context; those ranks
+    # free theirs early. The unsharded parameter is then freed on every rank,
+    # even if it was allocated before the context (e.g. for the root after
+    # forward), so that no rank keeps an unsharded copy that disagrees with the
+    # written-back shards.
+    rank0_writeback = writeback and rank0_only
+    body_succeeded = False
 
     _reset_flat_param_grad_info_if_needed(handle)
     free_unsharded_flat_param = handle.needs_unshard()
+    if rank0_writeback and handle.uses_sharded_strategy:
+        free_unsharded_flat_param = True
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
     computation_stream = state._device_handle.current_stream()
     _unshard(state, handle, computation_stream, computation_stream)
     if with_grads:
-        _unshard_grads(handle)
+        _unshard_grads_for_summon(handle)
 
-    if rank0_only and state.rank != 0:
+    if rank0_only and (
+        state.rank != 0
+        or (rank0_writeback and not _is_rank0_writeback_src(state, handle))
+    ):
         # Free the unsharded flattened parameter early
         _reshard(state, handle, free_unsharded_flat_param)
         if with_grads:
             _reshard_grads(handle)
         try:
             yield
+            body_succeeded = True
         finally:
+            if rank0_writeback:
+                _writeback_from_rank0(state, handle, body_succeeded)
             handle._training_state = HandleTrainingState.IDLE
     else:
         # Unflatten the unsharded flattened parameters
@@ -227,14 +423,22 @@ def _unshard_fsdp_state_params(
                 # NOTE: Since PyTorch enforces that a parameter and its
                 # gradients need to match metadata (e.g. device), we must
                 # move gradients to CPU *after* we move parameters.
+            elif offload_to_cpu and handle.flat_param.device.type != "cpu":
+                # `NO_SHARD`
+                stack.enter_context(_no_shard_to_cpu(handle, writeback))
             # NOTE: This assumes 1 `FlatParameter`
             if not state._use_orig_params:
                 stack.enter_context(_unflatten_as_params(state, module))
+            if with_grads:
+                stack.enter_context(_unsharded_grad_views(handle, writeback))
             try:
                 yield
+                body_succeeded = True
             finally:
                 stack.close()
-                if writeback:
+                if rank0_writeback:
+                    _writeback_from_rank0(state, handle, body_succeeded)
+                elif writeback:
                     _writeback_to_local_shard(handle, with_grads)
                 _reshard(state, handle, free_unsharded_flat_param)
                 if with_grads:
@@ -290,6 +494,16 @@ def _unshard_params(
     """
     This unshards FSDP-managed parameters for all modules with FSDP applied in
     the module tree rooted at ``module``.
+
+    With ``writeback=True`` and ``rank0_only=True``, what rank 0 (for hybrid
+    sharding, rank 0 of the first replica, which is global rank 0 by default)
+    changes in the unsharded parameters is written back to every rank upon
+    exit: rank 0 scatters each rank's shard (``NO_SHARD`` broadcasts), so the
+    other ranks never hold the unsharded parameters; their own changes are
+    discarded. If the body raises on any rank, the ranks agree to write back
+    nothing: every rank keeps the parameters it had before the context. With
+    ``rank0_only=False``, each rank writes back its shard of its unsharded
+    parameters upon exit, whether the body raised or not.
     """
     if not recurse:
         optional_state = _get_module_fsdp_state(module)

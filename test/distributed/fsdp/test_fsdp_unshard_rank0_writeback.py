@@ -1,0 +1,221 @@
+# Owner(s): ["oncall: distributed"]
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_fsdp import FSDPTestContinuous
+from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
+
+if not dist.is_available():
+    print("Distributed not available, skipping tests", file=sys.stderr)
+    sys.exit(0)
+
+if TEST_WITH_DEV_DBG_ASAN:
+    print("Skip dev-asan as torch + multiprocessing spawn have known issues", file=sys.stderr)
+    sys.exit(0)
+
+
+class _BodyError(Exception):
+    pass
+
+
+def _make_reference() -> nn.Module:
+    torch.manual_seed(0)
+    # Odd numels so that the last shard is padded
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))
+
+
+def _wrap(reference: nn.Module, **fsdp_kwargs) -> FSDP:
+    """Nested FSDP: an inner unit for the first linear layer, the root for the rest."""
+    model = copy.deepcopy(reference)
+    model[0] = FSDP(model[0], **fsdp_kwargs)
+    return FSDP(model, **fsdp_kwargs)
+
+
+def _edited_values(params) -> list[torch.Tensor]:
+    """What rank 0 writes into the full parameters: distinct values that no rank holds before."""
+    return [torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * 0.25 - 3.0 for p in params]
+
+
+class _CPUContinuousTest(FSDPTestContinuous):
+    @classmethod
+    def _init_pg(cls, rank, world_size, rdvz_file):
+        # FSDPTestContinuous skips when there are fewer accelerators than ranks;
+        # these tests also run on CPU with gloo.
+        if torch.accelerator.device_count() >= world_size:
+            super()._init_pg(rank, world_size, rdvz_file)
+        else:
+            MultiProcContinuousTest._init_pg.__func__(cls, rank, world_size, rdvz_file)
+
+    @property
+    def device(self) -> torch.device:
+        if torch.accelerator.device_count() >= self.world_size:
+            return torch.accelerator.current_accelerator()
+        return torch.device("cpu")
+
+    def _check_rank0_writeback(self, model: FSDP, offload_to_cpu: bool, is_src: bool) -> None:
+        """Rank 0 edits the full parameters with ``writeback=True, rank0_only=True``; every rank sees them after."""
+        with FSDP.summon_full_params(model, writeback=True, rank0_only=True, offload_to_cpu=offload_to_cpu):
+            params = list(model.parameters())
+            with torch.no_grad():
+                if is_src:
+                    expected = _edited_values(params)
+                    for param, value in zip(params, expected):
+                        param.copy_(value.to(param.device))
+                else:
+                    # The other ranks never hold the unsharded parameters, and what they change is discarded
+                    for fsdp_module in FSDP.fsdp_modules(model):
+                        handle = fsdp_module._handle
+                        if handle.uses_sharded_strategy:
+                            self.assertEqual(handle.flat_param._full_param_padded.untyped_storage().size(), 0)
+                    for param in params:
+                        param.fill_(123.0)
+        for fsdp_module in FSDP.fsdp_modules(model):
+            self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
+            self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.IDLE)
+        with FSDP.summon_full_params(model, writeback=False):
+            params = list(model.parameters())
+            for param, value in zip(params, _edited_values(params)):
+                self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
+
+
+class TestUnshardRank0Writeback(_CPUContinuousTest):
+    """``summon_full_params(writeback=True, rank0_only=True)`` on two ranks (gloo on CPU included)."""
+
+    world_size = 2
+
+    def test_rank0_writeback(self):
+        """What rank 0 changes is on every rank afterwards, bitwise, and training goes on from there."""
+        self.run_subtests(
+            {
+                "sharding_strategy": [
+                    ShardingStrategy.FULL_SHARD,
+                    ShardingStrategy.SHARD_GRAD_OP,
+                    ShardingStrategy.NO_SHARD,
+                ],
+                "use_orig_params": [False, True],
+                "offload_to_cpu": [False, True],
+            },
+            self._test_rank0_writeback,
+        )
+
+    def _test_rank0_writeback(self, sharding_strategy, use_orig_params, offload_to_cpu):
+        reference = _make_reference()
+        model = _wrap(
+            reference,
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        inp = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+        # A forward without backward leaves the root's unsharded parameter allocated, to be reused by the
+        # next forward: it must not go stale on the ranks that did not make the change.
+        with torch.no_grad():
+            model(inp.to(self.device))
+        self._check_rank0_writeback(model, offload_to_cpu, is_src=self.rank == 0)
+        with torch.no_grad():
+            for param, value in zip(reference.parameters(), _edited_values(list(reference.parameters()))):
+                param.copy_(value)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = model(inp.to(self.device)).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            ref_loss = reference(inp).sum()
+            ref_loss.backward()
+            ref_optim.step()
+            ref_optim.zero_grad()
+            self.assertEqual(loss.cpu(), ref_loss)
+
+    def test_rank0_writeback_body_raises(self):
+        """If the body raises on rank 0 after a partial change, no rank writes back anything and none hangs."""
+        self.run_subtests(
+            {
+                "sharding_strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD],
+                "use_orig_params": [False, True],
+            },
+            self._test_rank0_writeback_body_raises,
+        )
+
+    def _test_rank0_writeback_body_raises(self, sharding_strategy, use_orig_params):
+        reference = _make_reference()
+        model = _wrap(
+            reference,
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        raised = False
+        try:
+            with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+                if self.rank == 0:
+                    with torch.no_grad():
+                        next(iter(model.parameters())).fill_(7.0)
+                    raise _BodyError
+        except _BodyError:
+            raised = True
+        self.assertEqual(raised, self.rank == 0)
+        for fsdp_module in FSDP.fsdp_modules(model):
+            self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
+            self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.IDLE)
+        with FSDP.summon_full_params(model, writeback=False):
+            for param, ref_param in zip(model.parameters(), reference.parameters()):
+                self.assertTrue(torch.equal(param.cpu(), ref_param))
+        # The model is still usable, with the values from before the context
+        self._check_rank0_writeback(model, offload_to_cpu=False, is_src=self.rank == 0)
+
+    def test_rank0_writeback_with_grads_raises(self):
+        """Gradients are not written back from rank 0: asking for it is a clear error on every rank."""
+        model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device)
+        # NOTE: `assertRaises` would turn a `NotImplementedError` with another message into a skip.
+        try:
+            with FSDP.summon_full_params(model, writeback=True, rank0_only=True, with_grads=True):
+                pass
+        except NotImplementedError as error:
+            message = str(error)
+        else:
+            message = "no error"
+        self.assertIn("do not support with_grads=True", message)
+
+
+class TestUnshardRank0WritebackHybrid(_CPUContinuousTest):
+    """``writeback=True, rank0_only=True`` with hybrid sharding on a 2 x 2 mesh: every replica gets rank 0's change."""
+
+    world_size = 4
+
+    def test_rank0_writeback_hybrid_shard(self):
+        mesh = init_device_mesh(self.device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+        self.run_subtests(
+            {
+                "sharding_strategy": [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2],
+                "use_orig_params": [False, True],
+            },
+            self._test_rank0_writeback_hybrid_shard,
+            mesh=mesh,
+        )
+
+    def _test_rank0_writeback_hybrid_shard(self, sharding_strategy, use_orig_params, mesh):
+        model = _wrap(
+            _make_reference(),
+            device_mesh=mesh,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        # Global rank 0 is the source; rank 2, rank 0 of the other replica, must not keep its full copy either
+        self._check_rank0_writeback(model, offload_to_cpu=True, is_src=self.rank == 0)
+
+
+if __name__ == "__main__":
+    run_tests()
