@@ -4,17 +4,15 @@
 after torch was imported), ``deactivate()`` restores the stock objects exactly, ``status()`` says what is
 active. For every process of an environment, use ``python -m torch_overlay.activate`` instead.
 
-Importing this package never imports torch.
+Importing this package never imports torch, and imports the machinery only when it is used: the start-up hook
+of a persistent install imports this package in every interpreter of the environment.
 """
 
 from __future__ import annotations
 
 import warnings
 
-from torch_overlay import _loader
-from torch_overlay._guard import BaseMismatchError
 from torch_overlay._startup import ENV_VAR, disabled_by_env
-from torch_overlay._status import OverlayStatus, status
 
 __all__ = ["activate", "BaseMismatchError", "deactivate", "OverlayStatus", "status"]
 
@@ -29,9 +27,26 @@ def activate() -> None:
     if disabled_by_env():
         warnings.warn(f"torch_overlay.activate() ignored: {ENV_VAR}=0 is set", RuntimeWarning, stacklevel=2)
         return
-    _loader.activate()
+    from torch_overlay._loader import activate as activate_in_process
+
+    activate_in_process()
 
 
 def deactivate() -> None:
     """Restore every stock module object and binding in this process; idempotent and thread-safe."""
-    _loader.deactivate()
+    from torch_overlay._loader import deactivate as deactivate_in_process
+
+    deactivate_in_process()
+
+
+def __getattr__(name: str) -> object:
+    # NOTE: lazy (PEP 562), so that importing the package from the start-up hook stays cheap.
+    if name == "BaseMismatchError":
+        from torch_overlay._guard import BaseMismatchError
+
+        return BaseMismatchError
+    if name in ("OverlayStatus", "status"):
+        from torch_overlay import _status
+
+        return getattr(_status, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

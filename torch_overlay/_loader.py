@@ -17,19 +17,18 @@ whatever they captured; that is why activation belongs before models are built.
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 import threading
 import types
-import warnings
 from dataclasses import dataclass
 from enum import Enum
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from torch_overlay import _fork
+from torch_overlay._finder import OverlayFinder, installed_finder, overlay_spec
 from torch_overlay._guard import BaseMismatchError, check_base, require_base
 from torch_overlay._manifest import Manifest, OverlayModule, load_manifest
 
@@ -52,45 +51,7 @@ class ProcessState:
     modules: tuple[tuple[str, ModuleState], ...]
 
 
-class _OverlayFinder(importlib.abc.MetaPathFinder):
-    """Serves the overlay file for each manifest module; defers to the normal finders for the rest.
-
-    With ``guard_on_first_use`` (the start-up hook, which must not touch torch), the base is verified at the
-    first import of a manifest module instead of at activation; on a mismatch the finder stands down with
-    one warning, and the process runs stock torch.
-    """
-
-    def __init__(self, manifest: Manifest, guard_on_first_use: bool) -> None:
-        self._manifest = manifest
-        self._by_name = {m.name: m for m in manifest.modules}
-        self._guard_pending = guard_on_first_use
-        self.disabled_reason: str | None = None
-
-    def find_spec(
-        self, fullname: str, path: object = None, target: types.ModuleType | None = None
-    ) -> ModuleSpec | None:
-        module = self._by_name.get(fullname)
-        if module is None or self.disabled_reason is not None:
-            return None
-        if self._guard_pending:
-            self._guard_pending = False
-            check = check_base(self._manifest)
-            if not check.ok:
-                fork = _fork.active_state(check.torch_dir)
-                problems = ["fork mode is active (the series is applied in place)"] if fork else check.problems()
-                self.disabled_reason = "; ".join(problems)
-                warnings.warn(
-                    "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
-                    f"its base: {self.disabled_reason}. Run `python -m torch_overlay.activate --status`.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return None
-        return _overlay_spec(module)
-
-
 _lock = threading.RLock()
-_finder: _OverlayFinder | None = None
 _originals: dict[str, types.ModuleType] = {}
 """Stock module objects that were imported before activation, restored as they are on deactivation."""
 
@@ -104,11 +65,10 @@ def activate(*, guard_on_first_use: bool = False) -> None:
     """Activate the overlay in this process; a no-op when it is already active.
 
     Raises :class:`~torch_overlay._guard.BaseMismatchError`, having changed nothing, when the installed
-    torch is not the base (unless ``guard_on_first_use``, see :class:`_OverlayFinder`).
+    torch is not the base (unless ``guard_on_first_use``, see :class:`~torch_overlay._finder.OverlayFinder`).
     """
-    global _finder
     with _lock:
-        if _finder is not None:
+        if installed_finder() is not None:
             return
         manifest = load_manifest()
         check_now = not guard_on_first_use or any(m.name in sys.modules for m in manifest.modules)
@@ -123,7 +83,7 @@ def activate(*, guard_on_first_use: bool = False) -> None:
                 current = sys.modules.get(overlay.name)
                 if current is None or is_overlay_module(current, overlay):
                     continue
-                replacement = _execute(overlay.name, _overlay_spec(overlay))
+                replacement = _execute(overlay.name, overlay_spec(overlay.name, str(overlay.overlay_file)))
                 _swap(overlay.name, current, replacement, manifest)
                 done.append((overlay.name, current, replacement))
         except BaseException:
@@ -131,19 +91,17 @@ def activate(*, guard_on_first_use: bool = False) -> None:
                 _swap(name, replacement, current, manifest)
             raise
         _originals.update({name: current for name, current, _ in done})
-        _finder = _OverlayFinder(manifest, guard_on_first_use=not check_now)
-        sys.meta_path.insert(0, _finder)
+        sys.meta_path.insert(0, OverlayFinder(guard_on_first_use=not check_now))
 
 
 def deactivate() -> None:
     """Restore stock torch in this process exactly; a no-op when the overlay is not active."""
-    global _finder
     with _lock:
-        if _finder is None:
+        finder = installed_finder()
+        if finder is None:
             return
         manifest = load_manifest()
-        sys.meta_path.remove(_finder)
-        _finder = None
+        sys.meta_path.remove(finder)
         # NOTE: forward (dependency) order, so that a stock module executed afresh here imports the
         # stock versions of the manifest modules before it, never the overlay ones.
         for overlay in manifest.modules:
@@ -155,6 +113,16 @@ def deactivate() -> None:
                 original = _execute(overlay.name, _stock_spec(overlay.name))
             _swap(overlay.name, current, original, manifest)
         _originals.clear()
+
+
+def stand_down_reason() -> str | None:
+    """Why a finder installed by the start-up hook must not serve the overlay, checked at first use."""
+    check = check_base()
+    if check.ok:
+        return None
+    if _fork.active_state(check.torch_dir):
+        return "fork mode is active (the series is applied in place)"
+    return "; ".join(check.problems())
 
 
 def process_state() -> ProcessState:
@@ -170,12 +138,9 @@ def process_state() -> ProcessState:
             else:
                 state = ModuleState.STOCK
             modules.append((overlay.name, state))
-        disabled = _finder.disabled_reason if _finder is not None else None
-        return ProcessState(_finder is not None and disabled is None, disabled, tuple(modules))
-
-
-def _overlay_spec(overlay: OverlayModule) -> ModuleSpec | None:
-    return importlib.util.spec_from_file_location(overlay.name, overlay.overlay_file)
+        finder = installed_finder()
+        disabled = finder.disabled_reason if finder is not None else None
+        return ProcessState(finder is not None and disabled is None, disabled, tuple(modules))
 
 
 def _stock_spec(name: str) -> ModuleSpec | None:

@@ -57,6 +57,7 @@ class GuardTest(unittest.TestCase):
             import json, sys
             import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_api
             import torch_overlay
+            import torch_overlay._loader  # the machinery loads lazily; only torch must stay untouched
             before = (list(sys.meta_path), dict(sys.modules), dict(vars(fsdp_api)))
             try:
                 torch_overlay.activate()

@@ -1,0 +1,70 @@
+"""The import finder that serves the overlay modules under their upstream names.
+
+This is all that the start-up hook of a persistent install loads into every interpreter, so it imports only
+what a bare interpreter has already loaded (plus ``json``): the heavier machinery (the version guard, fork
+mode) is imported on the first import of a replaced module, when torch is being imported anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+import warnings
+from importlib.machinery import ModuleSpec
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def overlay_files() -> dict[str, str]:
+    """Module name -> our file, in the manifest's (dependency) order."""
+    with open(os.path.join(PACKAGE_DIR, "manifest.json"), encoding="utf-8") as f:
+        modules = json.load(f)["modules"]
+    return {m["name"]: os.path.join(PACKAGE_DIR, *m["path"].split("/")) for m in modules}
+
+
+class OverlayFinder:
+    """A ``sys.meta_path`` finder: our file for each manifest module, the normal finders for everything else.
+
+    With ``guard_on_first_use`` (the start-up hook, which must not touch torch), the base is verified at the
+    first import of a manifest module instead of at activation; on a mismatch the finder stands down with
+    one warning, and the process runs stock torch.
+    """
+
+    def __init__(self, guard_on_first_use: bool) -> None:
+        self._files = overlay_files()
+        self._guard_pending = guard_on_first_use
+        self.disabled_reason: str | None = None
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: types.ModuleType | None = None
+    ) -> ModuleSpec | None:
+        overlay_file = self._files.get(fullname)
+        if overlay_file is None or self.disabled_reason is not None:
+            return None
+        if self._guard_pending:
+            self._guard_pending = False
+            from torch_overlay._loader import stand_down_reason
+
+            self.disabled_reason = stand_down_reason()
+            if self.disabled_reason is not None:
+                warnings.warn(
+                    "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
+                    f"its base: {self.disabled_reason}. Run `python -m torch_overlay.activate --status`.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return None
+        return overlay_spec(fullname, overlay_file)
+
+
+def overlay_spec(name: str, overlay_file: str) -> ModuleSpec | None:
+    import importlib.util  # here, not at start-up: it pulls in contextlib, functools, collections
+
+    return importlib.util.spec_from_file_location(name, overlay_file)
+
+
+def installed_finder() -> OverlayFinder | None:
+    """The finder on ``sys.meta_path``, if the overlay is active in this process."""
+    return next((f for f in sys.meta_path if isinstance(f, OverlayFinder)), None)
