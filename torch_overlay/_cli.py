@@ -111,7 +111,9 @@ def activate_main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``torch-overlay <command>``: the same actions as subcommands."""
-    parser = argparse.ArgumentParser(prog="torch-overlay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="torch-overlay", description="Install, remove and inspect the torch-overlay overlay and fork mode."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("apply-overlay", help="install the persistent overlay into this environment")
     sub.add_parser("revert-overlay", help="remove the persistent overlay")
