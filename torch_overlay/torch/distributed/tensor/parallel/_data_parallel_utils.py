@@ -23,7 +23,10 @@ def _flatten_tensor(
     tensor: torch.Tensor,
 ) -> tuple[torch.Tensor, DTensorSpec | None]:
     if isinstance(tensor, DTensor):
-        tensor._local_tensor.requires_grad_()
+        # The local tensor must require gradient exactly when the DTensor does:
+        # forcing it on would train a frozen TP parameter (e.g. a LoRA base
+        # weight) once DDP or FSDP hold the local tensor instead of the DTensor.
+        tensor._local_tensor.requires_grad_(tensor.requires_grad)
         return tensor._local_tensor, tensor._spec
     return tensor, None
 

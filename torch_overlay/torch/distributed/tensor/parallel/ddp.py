@@ -1,14 +1,134 @@
 # mypy: allow-untyped-defs
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel._data_parallel_utils import (
     _flatten_tensor,
-    _unflatten_tensor,
+    sync_grad_hook,
 )
 
 
 __all__ = []  # type: ignore[var-annotated]
+
+
+# NOTE: The name of the attribute of each module that owns DTensor parameters
+# localized for data parallelism, holding its ``_DTensorParamViews``.
+_VIEWS_ATTR = "_dp_dtensor_param_views"
+
+
+@dataclass
+class _DTensorParamViews:
+    """
+    The DTensor parameters that one module owns, localized for data parallelism.
+
+    ``module._parameters[name]`` always holds the local shard, an ``nn.Parameter``
+    carrying its ``DTensorSpec`` as ``_st_info``: DDP, optimizers,
+    ``named_parameters()`` and checkpoints see this one object before, during and
+    after every forward. While the module runs its forward,
+    ``module.__dict__[name]`` holds a DTensor view of the local shard, which
+    shadows the parameter for attribute access (``module.weight``) so that the
+    forward computes with DTensors, and gradients flow to the local shard.
+    ``depth`` counts nested entries (a module calling itself) so that the views
+    live until the outermost forward exits.
+    """
+
+    names: list[str]
+    depth: int = 0
+
+
+def _dtensor_view(tensor: torch.Tensor, local: nn.Parameter) -> DTensor:
+    """
+    Return ``tensor`` (``local`` or a tensor sharing its storage) as a DTensor
+    with ``local``'s global spec, without copying or communicating.
+    """
+    spec = local._st_info  # type: ignore[attr-defined]
+    return DTensor.from_local(
+        tensor,
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.shape,
+        stride=spec.stride,
+    )
+
+
+def _enter_dtensor_views(module: nn.Module, *_: Any) -> None:
+    """
+    Forward pre-hook: show the module's localized parameters as DTensors
+    """
+    views = module.__dict__.get(_VIEWS_ATTR)
+    if views is None:
+        return
+    views.depth += 1
+    if views.depth > 1:
+        return
+    params = module._parameters
+    for name in views.names:
+        module.__dict__[name] = _dtensor_view(params[name], params[name])
+
+
+def _exit_dtensor_views(module: nn.Module, *_: Any) -> None:
+    """
+    Forward hook (also on exceptions): show the local parameters again
+    """
+    views = module.__dict__.get(_VIEWS_ATTR)
+    if views is None or views.depth == 0:
+        return
+    views.depth -= 1
+    if views.depth > 0:
+        return
+    for name in views.names:
+        module.__dict__.pop(name, None)
+
+
+def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
+    """
+    Save the localized parameters as DTensors with their global shape, as
+    tensor parallelism alone does, so that checkpoints are the same with or
+    without data parallelism.
+    """
+    for name in module.__dict__[_VIEWS_ATTR].names:
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is not None and not isinstance(value, DTensor):
+            state_dict[key] = _dtensor_view(value, module._parameters[name])
+
+
+def _dtensor_load_state_dict_pre_hook(module: nn.Module, state_dict, prefix, *_: Any):
+    """
+    Accept DTensors (what ``state_dict()`` returns) for localized parameters:
+    load their local shards, redistributed to the parameter's placements.
+    """
+    for name in module.__dict__[_VIEWS_ATTR].names:
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, DTensor):
+            spec = module._parameters[name]._st_info  # type: ignore[union-attr]
+            if value.placements != spec.placements:
+                value = value.redistribute(spec.mesh, spec.placements)
+            state_dict[key] = value.to_local()
+
+
+def _register_dtensor_views(
+    module: nn.Module, names: list[str], *, forward_hooks: bool
+) -> None:
+    """
+    Record which parameters of ``module`` are localized DTensors and register
+    the module's hooks, once.
+    """
+    views = module.__dict__.get(_VIEWS_ATTR)
+    if views is not None:
+        views.names.extend(n for n in names if n not in views.names)
+        return
+    module.__dict__[_VIEWS_ATTR] = _DTensorParamViews(list(dict.fromkeys(names)))
+    if forward_hooks:
+        module.register_forward_pre_hook(_enter_dtensor_views)
+        module.register_forward_hook(_exit_dtensor_views, always_call=True)
+    module.register_state_dict_post_hook(_dtensor_state_dict_hook)
+    module.register_load_state_dict_pre_hook(_dtensor_load_state_dict_pre_hook)
 
 
 def _get_submodule_n_params(module: nn.Module, path: str):
@@ -29,23 +149,19 @@ def _update_module_param(param_list: list[tuple[nn.Module, str, nn.Parameter]]):
     """
     for item in param_list:
         parent_module, module_path, t = item
-        if not hasattr(parent_module, module_path):
+        if module_path not in parent_module._parameters:
             raise AssertionError
-        delattr(parent_module, module_path)
-        setattr(parent_module, module_path, t)
+        # Replace in place: the parameter stays registered, in its position.
+        parent_module._parameters[module_path] = t
 
 
 def _reconstruct_dtensor(module: nn.Module, _input: Any):
     """
-    Reconstruct DTensor parameters from local tensors
+    Reconstruct DTensor parameters from local tensors: the forward pre-hook of
+    the root module, whose own DTensor parameters get DTensor views during its
+    forward. Submodules that own DTensor parameters have their own hooks.
     """
-    param_list = []
-    # TODO: To add perf optimizations to this iterations
-    for name, t in module.named_parameters():
-        if hasattr(t, "_st_info"):
-            dtensor = _unflatten_tensor(t, t._st_info)
-            param_list.append((*_get_submodule_n_params(module, name), dtensor))
-    _update_module_param(param_list)  # type: ignore[arg-type]
+    _enter_dtensor_views(module)
 
 
 def _localize_dtensor(
@@ -53,19 +169,42 @@ def _localize_dtensor(
 ):
     """
     Convert DTensor parameters to local tensors
+
+    Every DTensor parameter of ``module``'s tree (except ``ignored_params``) is
+    replaced, in each module that owns it, by one local ``nn.Parameter`` (shared
+    by all owners of a tied parameter) with the same ``requires_grad``. Each
+    submodule that owns such parameters gets forward hooks that show them as
+    DTensors during its forward. The root's own parameters get them from
+    ``_reconstruct_dtensor`` and from this function registered as the root's
+    forward hook: called with a forward's ``(input, output)``, it ends them.
     """
+    if _:
+        _exit_dtensor_views(module)
+        return
     if ignored_params is None:
         ignored_params = set()
     param_list = []
-    for name, param in module.named_parameters():
+    # A tied DTensor parameter gets one local parameter for all of its owners.
+    localized: dict[int, nn.Parameter] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
         if param in ignored_params:
             continue
         t, sharding_info = _flatten_tensor(param)
         if sharding_info is not None:
-            t = nn.Parameter(t)
+            t = nn.Parameter(t, requires_grad=param.requires_grad)
             t._st_info = sharding_info  # type: ignore[attr-defined]
+            t = localized.setdefault(id(param), t)
             param_list.append((*_get_submodule_n_params(module, name), t))
     _update_module_param(param_list)  # type: ignore[arg-type]
+    # Registered once per parameter: a hook per forward would pile up.
+    for t in localized.values():
+        if t.requires_grad:
+            t.register_hook(sync_grad_hook)
+    owners: dict[nn.Module, list[str]] = {}
+    for parent_module, module_path, _t in param_list:
+        owners.setdefault(parent_module, []).append(module_path)
+    for owner, names in owners.items():
+        _register_dtensor_views(owner, names, forward_hooks=owner is not module)
 
 
 def _pre_dp_module_transform(module: nn.Module):
@@ -73,13 +212,21 @@ def _pre_dp_module_transform(module: nn.Module):
     Enable the composability between Tensor Parallelism (TP) and Data
     Parallelism(DP) in PyTorch when using DDP. We need to convert Parameters which
     are DTensors to local tensors before wrapping with data parallelism API.
-    We then register two hooks, one for converting local tensors back to DTensor
-    preforward and one to convert DTensors back to tensors after Forward. By
-    integrating this way, we avoid any special handling of DTensor parameters by DDP
-    and get DTensor's gradients propagated back to DP, e.g. gradient buckets of DDP.
 
-    For now, this API only works with ``DistributedDataParallel``. It will later support
-    other DP methods such as FSDP.
+    Each DTensor parameter is replaced, in every module that owns it, by one local
+    ``nn.Parameter`` (same ``requires_grad``, tied parameters stay tied) that stays
+    registered for good: DDP, optimizers, ``named_parameters()`` and
+    ``state_dict()`` see the same object before, during and after every forward.
+    Forward hooks on each module that owns such parameters show them as DTensor
+    views (zero copy, gradients flow to the local parameter) while that module
+    runs forward, so nested modules, submodules called on their own and
+    activation checkpointing work. DDP then handles the local parameters like any
+    other, e.g. in its gradient buckets. ``state_dict()`` returns the TP
+    parameters as DTensors with their global shape, as TP alone does, and
+    ``load_state_dict()`` accepts them back.
+
+    This API is used by ``DistributedDataParallel`` and ``replicate`` when given a
+    ``device_mesh`` sliced from a 2-D mesh; FSDP composes with TP on its own.
 
     Args:
         module (:class:`nn.Module`):
@@ -87,19 +234,18 @@ def _pre_dp_module_transform(module: nn.Module):
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
-        >>> from torch.distributed.tensor.parallel import parallelize_module, PairwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel
         >>> from torch.nn.parallel import DistributedDataParallel as DDP
-        >>> from torch.distributed.tensor.parallel.ddp import pre_dp_module_transform
         >>>
         >>> # Define the module.
+        >>> mesh_2d = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
         >>> m = module(...)
-        >>> parallelize_module(m, PairwiseParallel())
-        >>> m = pre_dp_module_transform(m)
-        >>> m = DDP(m)
+        >>> parallelize_module(m, mesh_2d["tp"], {"w1": ColwiseParallel()})
+        >>> m = DDP(m, device_mesh=mesh_2d["dp"])  # calls _pre_dp_module_transform(m)
         >>>
     """
 
-    _localize_dtensor(module, None, None)
-    # TODO: To add test cases and ensure that it works for nested modules
+    _localize_dtensor(module)
     module.register_forward_pre_hook(_reconstruct_dtensor)
-    module.register_forward_hook(_localize_dtensor)
+    module.register_forward_hook(_localize_dtensor, always_call=True)

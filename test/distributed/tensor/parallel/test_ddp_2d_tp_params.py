@@ -1,0 +1,310 @@
+# Owner(s): ["oncall: distributed"]
+
+import copy
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    parallelize_module,
+    RowwiseParallel,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.testing._internal.common_utils import run_tests, TEST_WITH_DEV_DBG_ASAN
+from torch.testing._internal.distributed._tensor.common_dtensor import (
+    DTensorContinuousTestBase,
+)
+from torch.utils.checkpoint import checkpoint
+
+
+if not dist.is_available():
+    print("Distributed not available, skipping tests", file=sys.stderr)
+    sys.exit(0)
+
+if TEST_WITH_DEV_DBG_ASAN:
+    print(
+        "Skip dev-asan as torch + multiprocessing spawn have known issues",
+        file=sys.stderr,
+    )
+    sys.exit(0)
+
+
+DIM = 8
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(DIM, 2 * DIM)
+        self.net2 = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x):
+        return self.net2(F.relu(self.net1(x)))
+
+
+class Model(nn.Module):
+    """Plain parameters (``embed``, ``head``) mixed with TP blocks."""
+
+    def __init__(self, n_blocks: int = 2, use_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(MLP() for _ in range(n_blocks))
+        self.head = nn.Linear(DIM, DIM)
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            if self.use_checkpoint:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+def tp_plan(model: Model):
+    plan = {}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.net1"] = ColwiseParallel()
+        plan[f"blocks.{i}.net2"] = RowwiseParallel()
+    return plan
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class TestDDP2DTPParams(DTensorContinuousTestBase):
+    """TP + DDP on a 2x2 (dp x tp) mesh: parameters, gradients and state."""
+
+    world_size = 4
+
+    def mesh(self):
+        return init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(self, mesh, *, seed=0, **model_kwargs):
+        """A reference copy of the model and the same model with TP applied."""
+        torch.manual_seed(seed)
+        reference = Model(**model_kwargs)
+        model = copy.deepcopy(reference)
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+        return reference, model
+
+    def inputs(self, mesh, step):
+        # Same input on the ranks of one TP group, different inputs across DP.
+        torch.manual_seed(1000 * step + mesh["dp"].get_local_rank())
+        return torch.randn(4, DIM)
+
+    def assert_dtensor_views_of(self, module, local_by_name):
+        for name, local in local_by_name.items():
+            view = getattr(module, name)
+            self.assertIsInstance(view, DTensor)
+            self.assertEqual(view.to_local().data_ptr(), local.data_ptr())
+
+    def test_tp_params_stay_registered(self):
+        """The same local parameters stay registered before, during and after forwards."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        before = dict(model.named_parameters())
+        # The first check fails symmetrically on stock torch, where the TP
+        # parameters disappear from named_parameters() after the first forward.
+        for step in range(3):
+            ddp(self.inputs(mesh, step)).sum().backward()
+            after = dict(model.named_parameters())
+            self.assertEqual(list(after), list(before), "parameters disappeared")
+            for name, param in before.items():
+                self.assertIs(after[name], param, name)
+        self.assertEqual(set(model.state_dict()), set(before))
+        self.assertEqual(len(list(model.parameters())), 2 + 2 * 2 * 2 + 2)
+        # Each TP parameter is its local shard, registered as an nn.Parameter.
+        local = model.blocks[0].net1.weight
+        self.assertIsInstance(local, nn.Parameter)
+        self.assertNotIsInstance(local, DTensor)
+        self.assertEqual(local.shape, (DIM, DIM))
+        self.assertIsNotNone(local.grad)
+        # During the owner's forward, the attribute is a zero-copy DTensor view.
+        seen = []
+        handle = model.blocks[0].net1.register_forward_pre_hook(
+            lambda m, i: seen.append((m.weight, m.bias))
+        )
+        ddp(self.inputs(mesh, 3)).sum().backward()
+        handle.remove()
+        weight, bias = seen[0]
+        self.assertIsInstance(weight, DTensor)
+        self.assertEqual(weight.shape, (2 * DIM, DIM))
+        self.assertEqual(weight.to_local().data_ptr(), local.data_ptr())
+        self.assertIsInstance(bias, DTensor)
+        self.assertIs(model.blocks[0].net1.weight, local)
+        # An optimizer built after forwards holds every parameter DDP syncs.
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.assertEqual(
+            {id(p) for g in optim.param_groups for p in g["params"]},
+            {id(p) for p in before.values()},
+        )
+
+    def test_nested_direct_call_and_checkpoint(self):
+        """Submodules called directly and recomputed by activation checkpointing."""
+        mesh = self.mesh()
+        reference, model = self.build(mesh, use_checkpoint=True)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+        x = self.inputs(mesh, 0)
+        # One optimizer step through checkpointed (recomputed) TP blocks.
+        self.assertEqual(ddp(x), ref_ddp(x))
+        ddp(x).sum().backward()
+        ref_ddp(x).sum().backward()
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+            self.assertIsNotNone(param.grad, name)
+            self.assert_close_to_reference(model, name, param.grad, ref.grad)
+        # A TP submodule called directly, outside the root's forward.
+        block = model.blocks[1]
+        y = torch.randn(4, DIM)
+        self.assertEqual(block(y), reference.blocks[1](y))
+        self.assertIs(block.net1.weight, dict(model.named_parameters())["blocks.1.net1.weight"])
+
+    def assert_close_to_reference(self, model, name, local, ref):
+        """``local`` (a local shard of ``name``) matches the same part of ``ref``."""
+        spec = dict(model.named_parameters())[name].__dict__.get("_st_info")
+        if spec is None:
+            self.assertEqual(local, ref, msg=name)
+            return
+        view = DTensor.from_local(
+            local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        )
+        self.assertEqual(view.full_tensor(), ref, msg=name)
+
+    def test_tied_tp_params(self):
+        """Two modules sharing one TP parameter: one local parameter for both."""
+        mesh = self.mesh()
+        torch.manual_seed(0)
+        model = Model()
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+        model.blocks[1].net1.weight = model.blocks[0].net1.weight
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        for step in range(2):
+            ddp(self.inputs(mesh, step)).sum().backward()
+        shared = model.blocks[0].net1.weight
+        self.assertIs(model.blocks[1].net1.weight, shared)
+        self.assertNotIsInstance(shared, DTensor)
+        self.assertIsNotNone(shared.grad)
+        names = [n for n, p in model.named_parameters() if p is shared]
+        self.assertEqual(names, ["blocks.0.net1.weight"])
+
+    def test_no_per_forward_growth(self):
+        """Hooks are registered once: nothing grows with the number of iterations."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+
+        def sizes():
+            out = []
+            for module in model.modules():
+                out += [len(module._forward_pre_hooks), len(module._forward_hooks)]
+                out += [len(module.__dict__)]
+            for param in model.parameters():
+                out.append(len(param._backward_hooks or {}))
+            return out
+
+        first = sizes()
+        for step in range(4):
+            ddp(self.inputs(mesh, step)).sum().backward()
+            self.assertEqual(sizes(), first)
+
+    def test_state_dict_and_dcp_round_trip(self):
+        """state_dict() gives global DTensors; DCP save -> load round-trips bitwise."""
+        mesh = self.mesh()
+        _, tp_only = self.build(mesh)
+        _, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            ddp(self.inputs(mesh, step)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        sd = model.state_dict()
+        tp_sd = tp_only.state_dict()
+        self.assertEqual(list(sd), list(tp_sd))
+        for key, value in sd.items():
+            self.assertEqual(type(value), type(tp_sd[key]), key)
+            if isinstance(value, DTensor):
+                self.assertEqual(value.shape, tp_sd[key].shape)
+                self.assertEqual(value.placements, tp_sd[key].placements)
+        # Save, then load into a fresh 2-D model that already ran forwards.
+        path = [tempfile.mkdtemp() if self.rank == 0 else None]
+        dist.broadcast_object_list(path)
+        dcp.save(sd, checkpoint_id=path[0])
+        _, fresh = self.build(mesh, seed=1)
+        fresh_ddp = DDP(fresh, device_mesh=mesh["dp"])
+        fresh_ddp(self.inputs(mesh, 0)).sum().backward()
+        fresh_sd = fresh.state_dict()
+        dcp.load(fresh_sd, checkpoint_id=path[0])
+        fresh.load_state_dict(fresh_sd)
+        for (name, param), expected in zip(fresh.named_parameters(), model.parameters(), strict=True):
+            self.assertEqual(param, expected, atol=0, rtol=0, msg=name)
+        # load_state_dict accepts the DTensors of state_dict() directly.
+        _, other = self.build(mesh, seed=2)
+        DDP(other, device_mesh=mesh["dp"])
+        other.load_state_dict(model.state_dict())
+        for (name, param), expected in zip(other.named_parameters(), model.parameters(), strict=True):
+            self.assertEqual(param, expected, atol=0, rtol=0, msg=name)
+
+    def _check_parity(self, make_ddp, steps=3):
+        mesh = self.mesh()
+        reference, model = self.build(mesh)
+        ddp = make_ddp(model, mesh)
+        ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+        optim = torch.optim.SGD(model.parameters(), lr=0.05)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+        for step in range(steps):
+            x = self.inputs(mesh, step)
+            loss = ddp(x).pow(2).sum()
+            ref_loss = ref_ddp(x).pow(2).sum()
+            self.assertEqual(loss, ref_loss, msg=f"step {step}")
+            loss.backward()
+            ref_loss.backward()
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+        state = {name: full(value) for name, value in model.state_dict().items()}
+        self.assertEqual(state, reference.state_dict())
+
+    def test_training_parity(self):
+        """Losses and parameters match a non-TP DDP reference over several steps."""
+        self._check_parity(lambda model, mesh: DDP(model, device_mesh=mesh["dp"]))
+
+    def test_ddp_options(self):
+        """gradient_as_bucket_view=True and static_graph=True."""
+        self._check_parity(
+            lambda model, mesh: DDP(
+                model,
+                device_mesh=mesh["dp"],
+                gradient_as_bucket_view=True,
+                static_graph=True,
+            )
+        )
+
+    def test_replicate(self):
+        """replicate(device_mesh=mesh["dp"]) trains like DDP."""
+
+        def make(model, mesh):
+            model = replicate(model, device_mesh=mesh["dp"])
+            # replicate() localizes the TP parameters at its lazy init (the
+            # first forward); run it now so the optimizer gets them.
+            replicate.state(model).lazy_init()
+            return model
+
+        self._check_parity(make)
+
+
+if __name__ == "__main__":
+    run_tests()
