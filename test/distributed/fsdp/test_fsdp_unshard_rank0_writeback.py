@@ -177,7 +177,7 @@ class TestUnshardRank0Writeback(_CPUContinuousTest):
 
     def test_rank0_writeback_with_grads_raises(self):
         """Gradients are not written back from rank 0: asking for it is a clear error on every rank."""
-        model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device)
+        model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device, use_orig_params=True)
         # NOTE: `assertRaises` would turn a `NotImplementedError` with another message into a skip.
         try:
             with FSDP.summon_full_params(model, writeback=True, rank0_only=True, with_grads=True):
