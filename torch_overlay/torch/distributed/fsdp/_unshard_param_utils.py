@@ -257,7 +257,8 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
     Assumes that the gradient is unsharded. When in the context, sets the
     original parameters' gradients to views into the unsharded gradient, on
     CPU if the parameters were offloaded to CPU: then the gradient is copied
-    to CPU, and back to the compute device upon exit if ``writeback=True``.
+    to CPU, and back to the compute device upon exit if ``writeback=True`` or
+    for ``NO_SHARD`` (whose changes persist regardless of ``writeback``).
     """
     flat_param = handle.flat_param
     grad = flat_param.grad
@@ -274,7 +275,7 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
         yield
     finally:
         if offloaded:
-            if writeback:
+            if writeback or not handle.uses_sharded_strategy:
                 grad.copy_(flat_param.grad)
             # NOTE: The parameter moves back to the compute device after this
             # context, so point its gradient back there already (using `.data`
@@ -283,12 +284,12 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
 
 
 @contextlib.contextmanager
-def _no_shard_to_cpu(handle: FlatParamHandle, writeback: bool) -> Generator:
+def _no_shard_to_cpu(handle: FlatParamHandle) -> Generator:
     """
     The ``NO_SHARD`` counterpart of ``FlatParamHandle.to_cpu()``: when in the
     context, the flattened parameter is a CPU copy of the one on the compute
-    device, which is restored upon exit, with the CPU copy's values if
-    ``writeback=True``.
+    device, which gets the CPU copy's values upon exit (with ``NO_SHARD``,
+    changes persist regardless of ``writeback``).
     """
     flat_param = handle.flat_param
     device_flat_param = flat_param.data
@@ -296,8 +297,7 @@ def _no_shard_to_cpu(handle: FlatParamHandle, writeback: bool) -> Generator:
     try:
         yield
     finally:
-        if writeback:
-            device_flat_param.copy_(flat_param.data)
+        device_flat_param.copy_(flat_param.data)
         flat_param.data = device_flat_param
         handle._use_unsharded_views(as_params=handle._use_orig_params)
 
@@ -314,9 +314,8 @@ def _validate_unshard_params_args(
     ``writeback``, ``rank0_only``, ``offload_to_cpu`` and ``with_grads`` are
     supported for every sharding strategy and for ``use_orig_params`` both
     ``True`` and ``False``, except ``with_grads=True`` together with
-    ``writeback=True`` and ``rank0_only=True``. With ``NO_SHARD``,
-    ``offload_to_cpu=True`` on an accelerator exposes a CPU copy, so changes
-    persist only with ``writeback=True``.
+    ``writeback=True`` and ``rank0_only=True``. With ``NO_SHARD``, changes
+    persist regardless of ``writeback``, with ``offload_to_cpu=True`` too.
     """
     if writeback and rank0_only:
         # Rank 0 writes back the parameters only: scattering its unsharded
@@ -423,9 +422,9 @@ def _unshard_fsdp_state_params(
                 # NOTE: Since PyTorch enforces that a parameter and its
                 # gradients need to match metadata (e.g. device), we must
                 # move gradients to CPU *after* we move parameters.
-            elif offload_to_cpu and handle.flat_param.device.type != "cpu":
-                # `NO_SHARD`
-                stack.enter_context(_no_shard_to_cpu(handle, writeback))
+            elif offload_to_cpu and not handle.flat_param.is_cpu:
+                # `NO_SHARD` (a CPU copy of the parameter, as for sharding)
+                stack.enter_context(_no_shard_to_cpu(handle))
             # NOTE: This assumes 1 `FlatParameter`
             if not state._use_orig_params:
                 stack.enter_context(_unflatten_as_params(state, module))
