@@ -162,6 +162,11 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         self.assertEqual(ddp(x), ref_ddp(x))
         ddp(x).sum().backward()
         ref_ddp(x).sum().backward()
+        self.assertEqual(
+            [name for name, _ in model.named_parameters()],
+            [name for name, _ in reference.named_parameters()],
+            "parameters disappeared",
+        )
         for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
             self.assertIsNotNone(param.grad, name)
             self.assert_close_to_reference(model, name, param.grad, ref.grad)
@@ -204,20 +209,21 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         mesh = self.mesh()
         _, model = self.build(mesh)
         ddp = DDP(model, device_mesh=mesh["dp"])
+        params = list(model.parameters())
 
         def sizes():
             out = []
             for module in model.modules():
                 out += [len(module._forward_pre_hooks), len(module._forward_hooks)]
                 out += [len(module.__dict__)]
-            for param in model.parameters():
+            for param in params:
                 out.append(len(param._backward_hooks or {}))
             return out
 
         first = sizes()
         for step in range(4):
             ddp(self.inputs(mesh, step)).sum().backward()
-            self.assertEqual(sizes(), first)
+            self.assertEqual(sizes(), first, "hooks or state grew with the iterations")
 
     def test_state_dict_and_dcp_round_trip(self):
         """state_dict() gives global DTensors; DCP save -> load round-trips bitwise."""
