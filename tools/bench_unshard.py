@@ -1,0 +1,222 @@
+"""Benchmark: writing back an edit made on rank 0 inside ``FSDP.summon_full_params``, 4 ranks, CPU/gloo.
+
+Side by side in one run, on the same FSDP model (FULL_SHARD, one FSDP unit per layer, >= 50M parameters):
+
+(a) ours: ``summon_full_params(writeback=True, rank0_only=True)`` with the overlay active; rank 0 edits.
+(b) today's workaround on stock torch: ``summon_full_params(writeback=True)`` on every rank, rank 0 edits,
+    then every full parameter is broadcast from rank 0 by hand before the context writes back the shards.
+(c) the floor: one bare ``dist.scatter`` of the same bytes (every rank's padded shards) from rank 0.
+
+Peak extra memory is measured per rank as the peak resident set size (``VmHWM`` in ``/proc/self/status``,
+after resetting it by writing ``5`` to ``/proc/self/clear_refs``) minus the resident set size just before.
+Times are the slowest rank's, median of ``--repeats``, after a barrier. For (a) and (b), "writeback" is the
+time from the end of the context body to the end of the context (the part that (c) is the floor for), and
+"total" includes unsharding on entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+WORLD_SIZE = 4
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One rank's figures for one method: seconds, and bytes above the resident set size at the start."""
+
+    total_s: float
+    writeback_s: float
+    peak_extra_bytes: int
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return int(match.group(1))
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+        clear_refs.write("5")
+
+
+def _measure(run: Callable[[], float]) -> Measurement:
+    """Run ``run`` (which returns when its writeback started) between barriers; time and peak memory."""
+    dist.barrier()
+    _reset_peak_rss()
+    rss_before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    writeback_start = run()
+    dist.barrier()
+    end = time.perf_counter()
+    peak_extra = (_status_kib("VmHWM") - rss_before) * 1024
+    return Measurement(end - start, end - writeback_start, peak_extra)
+
+
+def _build_model(layers: int, width: int) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    for i in range(layers):
+        model[i] = FSDP(model[i], device_id=torch.device("cpu"))
+    return FSDP(model, device_id=torch.device("cpu"))
+
+
+def _edit(model: nn.Module) -> None:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(0.5)
+
+
+def _ours(model: nn.Module, rank: int) -> float:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+        if rank == 0:
+            _edit(model)
+        writeback_start = time.perf_counter()
+    return writeback_start
+
+
+def _workaround(model: nn.Module, rank: int) -> float:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=True):
+        if rank == 0:
+            _edit(model)
+        writeback_start = time.perf_counter()
+        for param in model.parameters():
+            dist.broadcast(param.data, src=0)
+    return writeback_start
+
+
+def _floor(shard_numel: int, rank: int) -> Callable[[], float]:
+    """One scatter of every rank's shard; rank 0's send buffer is allocated beforehand (it holds the model)."""
+    send = torch.zeros(shard_numel * WORLD_SIZE) if rank == 0 else None
+
+    def run() -> float:
+        writeback_start = time.perf_counter()
+        recv = torch.empty(shard_numel)
+        dist.scatter(recv, list(send.chunk(WORLD_SIZE)) if send is not None else None, src=0)
+        return writeback_start
+
+    return run
+
+
+def _check_edit_everywhere(model: nn.Module, reference: list[torch.Tensor]) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=False):
+        for param, expected in zip(model.parameters(), reference, strict=True):
+            if not torch.equal(param, expected):
+                raise AssertionError(f"rank {dist.get_rank()}: rank 0's edit was not written back")
+
+
+def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, queue) -> None:
+    import torch_overlay
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    results: dict[str, list[Measurement]] = {"a": [], "b": [], "c": []}
+    # (b) on stock torch, as users run it today
+    torch_overlay.deactivate()
+    model = _build_model(layers, width)
+    shard_numel = sum(p.numel() for p in model.parameters())
+    with FSDP.summon_full_params(model, writeback=False):
+        expected = [p.detach().clone() * 0.5 for p in model.parameters()]
+    for _ in range(repeats):
+        results["b"].append(_measure(lambda: _workaround(model, rank)))
+    del model
+    # (c) the floor
+    floor = _floor(shard_numel, rank)
+    for _ in range(repeats):
+        results["c"].append(_measure(floor))
+    del floor
+    # (a) ours; activation belongs before the model is built
+    torch_overlay.activate()
+    model = _build_model(layers, width)
+    for i in range(repeats):
+        results["a"].append(_measure(lambda: _ours(model, rank)))
+        if i == 0:
+            _check_edit_everywhere(model, expected)
+    queue.put((rank, shard_numel, results))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8, help="FSDP units, one linear layer each")
+    parser.add_argument("--width", type=int, default=2560, help="features of each linear layer")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    numel = args.layers * (args.width * args.width + args.width)
+    print(
+        f"model: {args.layers} x Linear({args.width}, {args.width}) = {numel / 1e6:.1f}M parameters "
+        f"({numel * 4 / MIB:.0f} MiB fp32), FULL_SHARD, {WORLD_SIZE} ranks, CPU/gloo, torch {torch.__version__}"
+    )
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [
+            context.Process(target=_worker, args=(rank, init_file, args.layers, args.width, args.repeats, queue))
+            for rank in range(WORLD_SIZE)
+        ]
+        for proc in procs:
+            proc.start()
+        gathered = [queue.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+    if any(proc.exitcode for proc in procs):
+        print("a rank failed", file=sys.stderr)
+        return 1
+    by_rank = {rank: results for rank, _, results in gathered}
+    shard_bytes = gathered[0][1] * 4
+
+    def row(key: str) -> tuple[float, float, int]:
+        # Per repeat, the slowest rank; then the median over repeats
+        totals = [max(by_rank[r][key][i].total_s for r in by_rank) for i in range(args.repeats)]
+        writebacks = [max(by_rank[r][key][i].writeback_s for r in by_rank) for i in range(args.repeats)]
+        peak = max(m.peak_extra_bytes for r in by_rank if r != 0 for m in by_rank[r][key])
+        return statistics.median(totals), statistics.median(writebacks), peak
+
+    rows = {key: row(key) for key in "abc"}
+    floor_s = rows["c"][1]
+    names = {
+        "a": "(a) rank-0 writeback (overlay)",
+        "b": "(b) workaround: all ranks + broadcast (stock)",
+        "c": "(c) floor: one dist.scatter",
+    }
+    print(f"one shard = {shard_bytes / MIB:.1f} MiB; peak extra = max over ranks 1-3 of VmHWM - VmRSS before")
+    print(f"{'method':<48}{'total s':>9}{'writeback s':>13}{'x floor':>9}{'peak extra MiB':>16}{'shards':>8}")
+    for key, (total, writeback, peak) in rows.items():
+        print(
+            f"{names[key]:<48}{total:>9.3f}{writeback:>13.3f}{writeback / floor_s:>9.2f}"
+            f"{peak / MIB:>16.1f}{peak / shard_bytes:>8.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
