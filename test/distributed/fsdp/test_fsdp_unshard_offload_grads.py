@@ -76,7 +76,7 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuous):
 
     def _assert_params_equal(self, model: FSDP, reference: nn.Module) -> None:
         with FSDP.summon_full_params(model, writeback=False):
-            for param, ref_param in zip(model.parameters(), reference.parameters()):
+            for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
                 self.assertEqual(param.cpu(), ref_param)
 
     def _train_step_and_compare(self, model: FSDP, reference: nn.Module) -> None:
@@ -109,7 +109,7 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuous):
         model = self._wrap(reference, ShardingStrategy.NO_SHARD, use_orig_params)
         with FSDP.summon_full_params(model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=True):
             if self.rank == 0 or not rank0_only:
-                for param, ref_param in zip(model.parameters(), reference.parameters()):
+                for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
                     self.assertEqual(param.device, torch.device("cpu"))
                     self.assertEqual(param, ref_param)
                 if writeback:
@@ -145,7 +145,7 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuous):
         model(self._input().to(self.device)).sum().backward()
         reference(self._input()).sum().backward()
         with FSDP.summon_full_params(model, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True):
-            for param, ref_param in zip(model.parameters(), reference.parameters()):
+            for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
                 self.assertEqual(param.shape, ref_param.shape)
                 self.assertIsNotNone(param.grad)
                 if offload_to_cpu:
@@ -159,7 +159,7 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuous):
             for ref_param in reference.parameters():
                 ref_param.grad *= 2
         with FSDP.summon_full_params(model, writeback=False, with_grads=True):
-            for param, ref_param in zip(model.parameters(), reference.parameters()):
+            for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
                 self.assertEqual(param.cpu(), ref_param)
                 self.assertEqual(param.grad.cpu(), ref_param.grad)
         self._train_step_and_compare(model, reference)

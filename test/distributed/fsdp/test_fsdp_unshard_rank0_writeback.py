@@ -67,7 +67,7 @@ class _CPUContinuousTest(FSDPTestContinuous):
             with torch.no_grad():
                 if is_src:
                     expected = _edited_values(params)
-                    for param, value in zip(params, expected):
+                    for param, value in zip(params, expected, strict=True):
                         param.copy_(value.to(param.device))
                 else:
                     # The other ranks never hold the unsharded parameters, and what they change is discarded
@@ -82,7 +82,7 @@ class _CPUContinuousTest(FSDPTestContinuous):
             self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.IDLE)
         with FSDP.summon_full_params(model, writeback=False):
             params = list(model.parameters())
-            for param, value in zip(params, _edited_values(params)):
+            for param, value in zip(params, _edited_values(params), strict=True):
                 self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
 
 
@@ -122,7 +122,7 @@ class TestUnshardRank0Writeback(_CPUContinuousTest):
             model(inp.to(self.device))
         self._check_rank0_writeback(model, offload_to_cpu, is_src=self.rank == 0)
         with torch.no_grad():
-            for param, value in zip(reference.parameters(), _edited_values(list(reference.parameters()))):
+            for param, value in zip(reference.parameters(), _edited_values(list(reference.parameters())), strict=True):
                 param.copy_(value)
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -170,7 +170,7 @@ class TestUnshardRank0Writeback(_CPUContinuousTest):
             self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
             self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.IDLE)
         with FSDP.summon_full_params(model, writeback=False):
-            for param, ref_param in zip(model.parameters(), reference.parameters()):
+            for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
                 self.assertTrue(torch.equal(param.cpu(), ref_param))
         # The model is still usable, with the values from before the context
         self._check_rank0_writeback(model, offload_to_cpu=False, is_src=self.rank == 0)
