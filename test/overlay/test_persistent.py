@@ -46,7 +46,7 @@ class PersistentHookTest(TestCase):
             status,
             """\
 torch: <version> at <path>
-base:          torch 2.13.0, 3 files: matches
+base:          torch 2.13.0, 4 files: matches
 persistent:    installed (<tmp>/venv/lib/python3.11/site-packages/torch_overlay_startup.pth)
 fork mode:     not applied
 TORCH_OVERLAY: unset
@@ -54,6 +54,7 @@ this process:  active
   torch.distributed.tensor.parallel._data_parallel_utils  not imported
   torch.distributed.tensor.parallel.ddp                   not imported
   torch.distributed.fsdp._unshard_param_utils             not imported
+  torch.distributed.fsdp.fully_sharded_data_parallel      not imported
 """,
         )
         self.assertEqual(self.cli("--check").returncode, 0)
