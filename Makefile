@@ -69,3 +69,7 @@ clean:
 # Rank-0 writeback in summon_full_params vs today's workaround vs one bare scatter (4 ranks, CPU; ~2 min).
 bench-unshard: install
 	$(PY) -m tools.bench_unshard
+
+# TP + DDP: swap-hook cost vs a bare DTensor.from_local loop; step time vs stock DDP and FSDP2 (4 ranks, CPU; ~1 min).
+bench-tp-ddp: install
+	$(PY) -m tools.bench_tp_ddp

@@ -1,0 +1,246 @@
+"""Benchmark: TP + DDP on a 2x2 (dp x tp) mesh, 4 ranks, CPU/gloo, stock and overlay side by side in one run.
+
+1. Swap hooks: the per-forward cost of the overlay's hooks (a DTensor view of each TP parameter in its owner's
+   forward pre-hook, dropped in its forward hook) for a model with >= 256 DTensor parameters, against the floor:
+   a bare loop of ``DTensor.from_local`` over the same local parameters. Hooks are called directly, so the
+   figure is the swap alone, without any forward compute.
+2. Training step (forward, backward, SGD step) of a 16-block TP MLP (ColwiseParallel/RowwiseParallel):
+   (a) overlay ``DDP(device_mesh=mesh["dp"])``; (b) stock ``DDP(device_mesh=mesh["dp"])``; (c) FSDP2
+   ``fully_shard(mesh=mesh["dp"])`` per block and at the root, over the same TP model (overlay active; FSDP2 is
+   not overlaid). Steps of the three run interleaved, so load on the machine hits all of them alike.
+
+Each rank builds the stock model with the overlay deactivated and the others with it activated
+(``torch_overlay.deactivate()`` / ``activate()`` before building), so both run in the same processes. Times are,
+per repeat, the slowest rank's; the table shows the median over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from queue import Empty
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+WORLD_SIZE = 4
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.relu(self.w1(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self, blocks: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _tp_model(mesh, blocks: int, dim: int, hidden: int) -> MLP:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = MLP(blocks, dim, hidden)
+    plan = {}
+    for i in range(blocks):
+        plan[f"blocks.{i}.w1"] = ColwiseParallel()
+        plan[f"blocks.{i}.w2"] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan)
+    return model
+
+
+def _timed(fn: Callable[[], object], iters: int) -> float:
+    """Seconds per call of ``fn``, after a barrier, averaged over ``iters`` calls."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list[float]]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel.ddp import _enter_dtensor_views, _exit_dtensor_views
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # params / 2 linear layers (weight and bias), each its own owner module; tiny so that the swap dominates.
+    model = _tp_model(mesh, params // 4, 8, 8)
+    DDP(model, device_mesh=mesh["dp"])
+    owners = [m for m in model.modules() if m._forward_pre_hooks and m is not model]
+    locals_ = [p for p in model.parameters() if hasattr(p, "_st_info")]
+    assert len(locals_) >= params, len(locals_)
+    specs = [(p, p._st_info) for p in locals_]
+    # Only the overlay's swap hooks, not the input/output hooks of ColwiseParallel/RowwiseParallel.
+    pre = [(m, h) for m in owners for h in m._forward_pre_hooks.values() if h is _enter_dtensor_views]
+    post = [(m, h) for m in owners for h in m._forward_hooks.values() if h is _exit_dtensor_views]
+    assert len(pre) == len(post) == len(owners), (len(pre), len(post), len(owners))
+
+    def hooks() -> None:
+        for module, hook in pre:
+            hook(module, ())
+        for module, hook in post:
+            hook(module, (), None)
+
+    def floor() -> None:
+        for p, spec in specs:
+            DTensor.from_local(p, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+    figures: dict[str, list[float]] = {"hooks": [], "floor": []}
+    hooks()
+    floor()
+    for _ in range(repeats):
+        figures["floor"].append(_timed(floor, iters))
+        figures["hooks"].append(_timed(hooks, iters))
+    figures["params"] = [float(len(locals_))]
+    return figures
+
+
+def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: int, repeats: int):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torch_overlay
+
+    torch_overlay.deactivate()
+    stock_model = _tp_model(mesh, blocks, dim, hidden)
+    stock = DDP(stock_model, device_mesh=mesh["dp"])
+    torch_overlay.activate()
+    overlay_model = _tp_model(mesh, blocks, dim, hidden)
+    overlay = DDP(overlay_model, device_mesh=mesh["dp"])
+    fsdp = _tp_model(mesh, blocks, dim, hidden)
+    for block in fsdp.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(fsdp, mesh=mesh["dp"])
+
+    torch.manual_seed(mesh["dp"].get_local_rank())
+    x = torch.randn(batch, dim)
+    runs = {}
+    for key, model, params in (
+        ("overlay", overlay, overlay_model.parameters()),
+        ("stock", stock, stock_model.parameters()),
+        ("fsdp2", fsdp, fsdp.parameters()),
+    ):
+        optim = torch.optim.SGD(list(params), lr=1e-3)
+
+        def step(model=model, optim=optim) -> None:
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+
+        runs[key] = step
+    figures: dict[str, list[float]] = {key: [] for key in runs}
+    for step in runs.values():  # warm-up (stock swaps its parameters on the first forward only)
+        step()
+        step()
+    for _ in range(repeats):
+        for key, step in runs.items():
+            figures[key].append(_timed(step, iters))
+    return figures
+
+
+def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
+    import torch_overlay
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch_overlay.activate()
+    hooks = _hook_figures(mesh, args.params, args.hook_iters, args.repeats)
+    steps = _step_figures(mesh, args.blocks, args.dim, args.hidden, args.batch, args.step_iters, args.repeats)
+    queue.put((rank, hooks, steps))
+    dist.destroy_process_group()
+
+
+def _slowest_median(by_rank: dict[int, dict[str, list[float]]], key: str) -> float:
+    repeats = len(next(iter(by_rank.values()))[key])
+    return statistics.median(max(by_rank[r][key][i] for r in by_rank) for i in range(repeats))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=256, help="DTensor parameters for the hook figure")
+    parser.add_argument("--hook-iters", type=int, default=50)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--step-iters", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    print(
+        f"{WORLD_SIZE} ranks, 2x2 (dp x tp) mesh, CPU/gloo, 1 thread per rank, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs (shared machine: figures are noisy when others run)"
+    )
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [context.Process(target=_worker, args=(rank, init_file, args, queue)) for rank in range(WORLD_SIZE)]
+        for proc in procs:
+            proc.start()
+        gathered = []
+        while len(gathered) < len(procs):
+            try:
+                gathered.append(queue.get(timeout=5))
+            except Empty:
+                if any(proc.exitcode not in (None, 0) for proc in procs):
+                    for proc in procs:
+                        proc.kill()
+                    print("a rank failed", file=sys.stderr)
+                    return 1
+        for proc in procs:
+            proc.join()
+    if any(proc.exitcode for proc in procs):
+        print("a rank failed", file=sys.stderr)
+        return 1
+    hooks = {rank: h for rank, h, _ in gathered}
+    steps = {rank: s for rank, _, s in gathered}
+
+    floor = _slowest_median(hooks, "floor")
+    swap = _slowest_median(hooks, "hooks")
+    n = int(hooks[0]["params"][0])
+    print(f"\n1. swap hooks per forward, {n} DTensor parameters (median of {args.repeats} x {args.hook_iters})")
+    print(f"{'':<44}{'ms':>9}{'x floor':>9}")
+    print(f"{'floor: bare DTensor.from_local loop':<44}{floor * 1e3:>9.3f}{1.0:>9.2f}")
+    print(f"{'overlay: owners pre-hooks + forward hooks':<44}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
+
+    overlay = _slowest_median(steps, "overlay")
+    print(
+        f"\n2. training step, {args.blocks}-block TP MLP (dim {args.dim}, hidden {args.hidden}, batch {args.batch}),"
+        f" median of {args.repeats} x {args.step_iters} steps"
+    )
+    print(f"{'':<44}{'ms/step':>9}{'overlay/x':>11}")
+    names = {
+        "overlay": "(a) overlay DDP(device_mesh=dp)",
+        "stock": "(b) stock DDP(device_mesh=dp)",
+        "fsdp2": "(c) FSDP2 fully_shard(mesh=dp) over TP",
+    }
+    for key, name in names.items():
+        t = _slowest_median(steps, key)
+        print(f"{name:<44}{t * 1e3:>9.2f}{overlay / t:>11.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
