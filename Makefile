@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches \
+.PHONY: install test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp bench-unshard \
 	apply-patches revert-patches ghstack rebase
 
 install: $(VENV)/.installed
