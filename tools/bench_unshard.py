@@ -9,14 +9,21 @@ Side by side in one run, on the same FSDP model (FULL_SHARD, one FSDP unit per l
 
 Peak extra memory is measured per rank as the peak resident set size (``VmHWM`` in ``/proc/self/status``,
 after resetting it by writing ``5`` to ``/proc/self/clear_refs``) minus the resident set size just before.
-Times are the slowest rank's, median of ``--repeats``, after a barrier. For (a) and (b), "writeback" is the
-time from the end of the context body to the end of the context (the part that (c) is the floor for), and
-"total" includes unsharding on entry.
+Before each measurement, ``malloc_trim(0)`` hands the free heap pages back to the kernel: otherwise a buffer
+could reuse pages already resident and go unseen. The allocator keeps its default settings, so that times
+are what users see.
+
+Times are the slowest rank's, median of ``--repeats``. "writeback" is the same interval for all three: from a
+barrier that every rank passes once the body is done (rank 0 finished its edit) to a barrier after the context
+exits; for (c), from a barrier to a barrier after the scatter. "total" starts at a barrier before entering the
+context, so it includes unsharding on entry and rank 0's edit.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import re
 import statistics
@@ -53,12 +60,13 @@ def _status_kib(field: str) -> int:
 
 
 def _reset_peak_rss() -> None:
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
         clear_refs.write("5")
 
 
 def _measure(run: Callable[[], float]) -> Measurement:
-    """Run ``run`` (which returns when its writeback started) between barriers; time and peak memory."""
+    """Run ``run`` between barriers; ``run`` returns when its writeback started. Seconds and peak memory."""
     dist.barrier()
     _reset_peak_rss()
     rss_before = _status_kib("VmRSS")
@@ -92,6 +100,7 @@ def _ours(model: nn.Module, rank: int) -> float:
     with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
         if rank == 0:
             _edit(model)
+        dist.barrier()
         writeback_start = time.perf_counter()
     return writeback_start
 
@@ -102,6 +111,7 @@ def _workaround(model: nn.Module, rank: int) -> float:
     with FSDP.summon_full_params(model, writeback=True):
         if rank == 0:
             _edit(model)
+        dist.barrier()
         writeback_start = time.perf_counter()
         for param in model.parameters():
             dist.broadcast(param.data, src=0)
@@ -109,12 +119,14 @@ def _workaround(model: nn.Module, rank: int) -> float:
 
 
 def _floor(shard_numel: int, rank: int) -> Callable[[], float]:
-    """One scatter of every rank's shard; rank 0's send buffer is allocated beforehand (it holds the model)."""
+    """One scatter of every rank's shard. Both buffers exist beforehand, as rank 0's unsharded parameters and
+    every rank's local shard do in (a): the floor moves the bytes and nothing else."""
     send = torch.zeros(shard_numel * WORLD_SIZE) if rank == 0 else None
+    recv = torch.zeros(shard_numel)
 
     def run() -> float:
+        dist.barrier()
         writeback_start = time.perf_counter()
-        recv = torch.empty(shard_numel)
         dist.scatter(recv, list(send.chunk(WORLD_SIZE)) if send is not None else None, src=0)
         return writeback_start
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+from torch.profiler import profile, ProfilerActivity
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_fsdp import FSDPTestContinuous
 from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
@@ -42,6 +43,16 @@ def _wrap(reference: nn.Module, **fsdp_kwargs) -> FSDP:
 def _edited_values(params) -> list[torch.Tensor]:
     """What rank 0 writes into the full parameters: distinct values that no rank holds before."""
     return [torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * 0.25 - 3.0 for p in params]
+
+
+def _largest_allocation_bytes(prof: profile, device: torch.device) -> int:
+    """The largest single allocation on ``device`` while profiling with ``profile_memory=True``."""
+    sizes = [
+        event.cpu_memory_usage if device.type == "cpu" else event.device_memory_usage
+        for event in prof.events()
+        if event.name == "[memory]"
+    ]
+    return max(sizes, default=0)
 
 
 class _CPUContinuousTest(FSDPTestContinuous):
@@ -84,6 +95,38 @@ class _CPUContinuousTest(FSDPTestContinuous):
             params = list(model.parameters())
             for param, value in zip(params, _edited_values(params), strict=True):
                 self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
+
+    def _check_other_ranks_allocate_at_most_a_shard(self, model: FSDP, is_src: bool) -> None:
+        """
+        With ``writeback=True, rank0_only=True``, only the source materializes the unsharded flat parameters:
+        on entry the other ranks send it their shards instead of all-gathering, and upon exit they receive
+        their shard in place, so none of their allocations exceeds a shard. ``model`` is sharded (no forward
+        ran) and has one FSDP unit whose unsharded flat parameter dwarfs the rest.
+        """
+        # Lazy initialization allocates and frees on its own: keep it out of the measurement
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            pass
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities, profile_memory=True) as prof:
+            with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+                if is_src:
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            param.mul_(2.0)
+        largest = _largest_allocation_bytes(prof, self.device)
+        handles = [m._handle for m in FSDP.fsdp_modules(model)]
+        itemsize = handles[0].flat_param.element_size()
+        shard_bytes = max(h.flat_param._local_shard.numel() for h in handles) * itemsize
+        unsharded_bytes = max(h.flat_param._padded_unsharded_size.numel() for h in handles) * itemsize
+        if is_src:
+            # The measurement sees the source's unsharded flat parameter
+            self.assertGreaterEqual(largest, unsharded_bytes)
+        else:
+            self.assertLessEqual(
+                largest, shard_bytes, f"rank {self.rank} allocated {largest} bytes (unsharded: {unsharded_bytes})"
+            )
 
 
 class TestUnshardRank0Writeback(_CPUContinuousTest):
@@ -136,6 +179,27 @@ class TestUnshardRank0Writeback(_CPUContinuousTest):
             ref_optim.step()
             ref_optim.zero_grad()
             self.assertEqual(loss.cpu(), ref_loss)
+
+    def test_rank0_writeback_other_ranks_allocate_at_most_a_shard(self):
+        """Rank 1 never materializes an unsharded flat parameter: none of its allocations exceeds one shard."""
+        self.run_subtests(
+            {
+                "sharding_strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP],
+                "use_orig_params": [False, True],
+            },
+            self._test_rank0_writeback_other_ranks_allocate_at_most_a_shard,
+        )
+
+    def _test_rank0_writeback_other_ranks_allocate_at_most_a_shard(self, sharding_strategy, use_orig_params):
+        torch.manual_seed(0)
+        model = _wrap(
+            nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3)),
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        self._check_other_ranks_allocate_at_most_a_shard(model, is_src=self.rank == 0)
 
     def test_rank0_writeback_body_raises(self):
         """If the body raises on rank 0 after a partial change, no rank writes back anything and none hangs."""
@@ -215,6 +279,16 @@ class TestUnshardRank0WritebackHybrid(_CPUContinuousTest):
         )
         # Global rank 0 is the source; rank 2, rank 0 of the other replica, must not keep its full copy either
         self._check_rank0_writeback(model, offload_to_cpu=True, is_src=self.rank == 0)
+        # Nor allocate one: only rank 0's replica gathers, to rank 0
+        torch.manual_seed(0)
+        model = _wrap(
+            nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3)),
+            device_mesh=mesh,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        self._check_other_ranks_allocate_at_most_a_shard(model, is_src=self.rank == 0)
 
 
 if __name__ == "__main__":

@@ -103,11 +103,90 @@ def _is_rank0_writeback_src(state: _FSDPState, handle: FlatParamHandle) -> bool:
     )
 
 
+class _Rank0WritebackAgreement:
+    """
+    Whether the body of a ``writeback=True, rank0_only=True`` context
+    succeeded on every rank, agreed on once per set of process groups for
+    all FSDP states of one ``summon_full_params()`` call instead of once per
+    state: the innermost state exits first and sees whether the body raised,
+    and the states exit in the same order on every rank.
+    """
+
+    def __init__(self) -> None:
+        self._succeeded: dict[tuple[dist.ProcessGroup, ...], bool] = {}
+
+    def agree(
+        self,
+        process_groups: tuple[dist.ProcessGroup, ...],
+        body_succeeded: bool,
+        device: torch.device,
+    ) -> bool:
+        if process_groups not in self._succeeded:
+            succeeded = torch.tensor(
+                [int(body_succeeded)], dtype=torch.int32, device=device
+            )
+            # After the first all-reduce, every rank of a group holds the same
+            # value, so for hybrid sharding the second gives the minimum over
+            # all replicas.
+            for process_group in process_groups:
+                dist.all_reduce(
+                    succeeded, op=dist.ReduceOp.MIN, group=process_group
+                )
+            self._succeeded[process_groups] = bool(succeeded.item())
+        return self._succeeded[process_groups]
+
+
+@torch.no_grad()
+def _gather_to_rank0(
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    stream: torch.Stream,
+) -> None:
+    """
+    The ``writeback=True, rank0_only=True`` counterpart of ``_unshard()`` for
+    sharded strategies: gathers the flattened parameter into the padded
+    unsharded flattened parameter of the writeback source only, instead of
+    all-gathering it, so that the other ranks never allocate it. For hybrid
+    sharding, only rank 0's replica gathers; the other replicas keep their
+    shards.
+
+    Postcondition: If ``_is_rank0_writeback_src()``, the handle uses the
+    unsharded flattened parameter; otherwise, the handle's flattened
+    parameter is the sharded one on the compute device, to be resharded.
+    """
+    inter_node_pg = _rank0_writeback_inter_node_pg(state, handle)
+    is_src = _is_rank0_writeback_src(state, handle)
+    with state._device_handle.stream(stream):
+        handle.pre_unshard()
+        if handle.needs_unshard() and (
+            inter_node_pg is None or dist.get_rank(inter_node_pg) == 0
+        ):
+            gather_list = None
+            if is_src:
+                gather_list = list(
+                    handle._alloc_padded_unsharded_flat_param().chunk(
+                        handle.world_size
+                    )
+                )
+            dist.gather(
+                handle.flat_param.data,
+                gather_list,
+                group=state.process_group,
+                group_dst=0,
+            )
+        if is_src:
+            # The padded unsharded flattened parameter is complete, so this
+            # only switches to using it.
+            handle.unshard()
+        handle.post_unshard()
+
+
 @torch.no_grad()
 def _writeback_from_rank0(
     state: _FSDPState,
     handle: FlatParamHandle,
     body_succeeded: bool,
+    agreement: _Rank0WritebackAgreement,
 ) -> None:
     """
     For ``writeback=True, rank0_only=True``, writes back rank 0's unsharded
@@ -118,7 +197,8 @@ def _writeback_from_rank0(
     their shard, never the unsharded parameter.
 
     Every rank must call this for the same handles in the same order. The
-    ranks first agree on whether the context body succeeded everywhere; if it
+    ranks first agree on whether the context body succeeded everywhere (via
+    ``agreement``, once per ``summon_full_params()`` call); if it
     raised on any rank, nothing is written back on any rank, and the local
     shards keep their values from before the context (for ``NO_SHARD``, rank
     0's in-place changes are undone from rank 1's copy).
@@ -130,20 +210,18 @@ def _writeback_from_rank0(
     inter_node_pg = _rank0_writeback_inter_node_pg(state, handle)
     # NOTE: A rank that raised inside the context reaches this point too, so
     # the ranks agree before any collective that moves data to avoid a hang.
-    succeeded = torch.tensor(
-        [int(body_succeeded)], dtype=torch.int32, device=handle.device
-    )
-    dist.all_reduce(succeeded, op=dist.ReduceOp.MIN, group=state.process_group)
+    process_groups = (state.process_group,)
     if inter_node_pg is not None:
-        dist.all_reduce(succeeded, op=dist.ReduceOp.MIN, group=inter_node_pg)
+        process_groups += (inter_node_pg,)
+    succeeded = agreement.agree(process_groups, body_succeeded, handle.device)
     if not handle.uses_sharded_strategy:
         if handle.world_size == 1:
             return
         # `NO_SHARD` changes rank 0's parameter in place: send it to the other
         # ranks, or undo the changes from rank 1's copy if the body raised
-        src = 0 if succeeded.item() else 1
+        src = 0 if succeeded else 1
         local_shard = flat_param.data
-    elif succeeded.item():
+    elif succeeded:
         src = 0
         local_shard = flat_param._local_shard  # type: ignore[attr-defined]
     else:
@@ -243,7 +321,11 @@ def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
     # NOTE: `unshard_grad()` ends by setting the gradients of the original
     # parameters, which it clears via `_params` and `_shared_params` if all
     # ranks have a `None` gradient; these lists are `None` without
-    # `use_orig_params`, and there is nothing to clear yet.
+    # `use_orig_params` (a `TypeError`), and there is nothing to clear yet.
+    # Empty lists for the call are the least bad option here: the fix belongs
+    # in `FlatParamHandle._use_unsharded_grad_views()`, and working around it
+    # otherwise means duplicating `unshard_grad()`'s collectives or adding an
+    # all-reduce to learn whether any rank has a gradient.
     flat_param._params, flat_param._shared_params = [], []
     try:
         _unshard_grads(handle)
@@ -345,6 +427,7 @@ def _unshard_fsdp_state_params(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
+    rank0_writeback_agreement: _Rank0WritebackAgreement | None = None,
 ):
     """
     This unshards the parameters for a single FSDP state ``state`` that
@@ -380,6 +463,8 @@ def _unshard_fsdp_state_params(
     # written-back shards.
     rank0_writeback = writeback and rank0_only
     body_succeeded = False
+    if rank0_writeback and rank0_writeback_agreement is None:
+        rank0_writeback_agreement = _Rank0WritebackAgreement()
 
     _reset_flat_param_grad_info_if_needed(handle)
     free_unsharded_flat_param = handle.needs_unshard()
@@ -388,7 +473,10 @@ def _unshard_fsdp_state_params(
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
     computation_stream = state._device_handle.current_stream()
-    _unshard(state, handle, computation_stream, computation_stream)
+    if rank0_writeback and handle.uses_sharded_strategy:
+        _gather_to_rank0(state, handle, computation_stream)
+    else:
+        _unshard(state, handle, computation_stream, computation_stream)
     if with_grads:
         _unshard_grads_for_summon(handle)
 
@@ -405,7 +493,9 @@ def _unshard_fsdp_state_params(
             body_succeeded = True
         finally:
             if rank0_writeback:
-                _writeback_from_rank0(state, handle, body_succeeded)
+                _writeback_from_rank0(
+                    state, handle, body_succeeded, rank0_writeback_agreement
+                )
             handle._training_state = HandleTrainingState.IDLE
     else:
         # Unflatten the unsharded flattened parameters
@@ -436,7 +526,9 @@ def _unshard_fsdp_state_params(
             finally:
                 stack.close()
                 if rank0_writeback:
-                    _writeback_from_rank0(state, handle, body_succeeded)
+                    _writeback_from_rank0(
+                        state, handle, body_succeeded, rank0_writeback_agreement
+                    )
                 elif writeback:
                     _writeback_to_local_shard(handle, with_grads)
                 _reshard(state, handle, free_unsharded_flat_param)
@@ -453,6 +545,7 @@ def _unshard_params_for_summon(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
+    rank0_writeback_agreement: _Rank0WritebackAgreement | None = None,
 ):
     _validate_unshard_params_args(
         state, writeback, rank0_only, offload_to_cpu, with_grads
@@ -473,6 +566,7 @@ def _unshard_params_for_summon(
         rank0_only=rank0_only,
         offload_to_cpu=offload_to_cpu,
         with_grads=with_grads,
+        rank0_writeback_agreement=rank0_writeback_agreement,
     ):
         try:
             state.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -513,6 +607,9 @@ def _unshard_params(
         states_and_modules = ([optional_state], [module])
     else:
         states_and_modules = traversal_utils._get_fsdp_states_with_modules(module)
+    rank0_writeback_agreement = (
+        _Rank0WritebackAgreement() if writeback and rank0_only else None
+    )
     with contextlib.ExitStack() as stack:
         for state, module in zip(*states_and_modules):
             stack.enter_context(
@@ -523,6 +620,7 @@ def _unshard_params(
                     rank0_only=rank0_only,
                     offload_to_cpu=offload_to_cpu,
                     with_grads=with_grads,
+                    rank0_writeback_agreement=rank0_writeback_agreement,
                 )
             )
         yield
