@@ -887,15 +887,11 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
             changes will be discarded). In the case where FSDP does not shard
             the parameters, currently only when ``world_size == 1``, or ``NO_SHARD``
             config, the modification is persisted regardless of ``writeback``.
+            With ``rank0_only=True`` and ``writeback=True``, all of rank 0's
+            modifications persist on every rank (see ``rank0_only``).
         .. note:: This method works on modules which are not FSDP themselves but
             may contain multiple independent FSDP units. In that case, the given
             arguments will apply to all contained FSDP units.
-
-        .. warning:: Note that ``rank0_only=True`` in conjunction with
-            ``writeback=True`` is not currently supported and will raise an
-            error. This is because model parameter shapes would be different
-            across ranks within the context, and writing to them can lead to
-            inconsistency across ranks when the context is exited.
 
         .. warning:: Note that ``offload_to_cpu`` and ``rank0_only=False`` will
             result in full parameters being redundantly copied to CPU memory for
@@ -912,21 +908,22 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
             rank0_only (bool, Optional): if ``True``, full parameters are
                 materialized on only global rank 0. This means that within the
                 context, only rank 0 will have full parameters and the other
-                ranks will have sharded parameters. Note that setting
-                ``rank0_only=True`` with ``writeback=True`` is not supported,
-                as model parameter shapes will be different across ranks
-                within the context, and writing to them can lead to
-                inconsistency across ranks when the context is exited.
+                ranks will have sharded parameters. With ``writeback=True``,
+                rank 0's changes are written back to every rank upon exit,
+                each rank receiving only its shard (for hybrid sharding, only
+                rank 0 of the first replica has full parameters); other ranks'
+                changes are discarded, and if the body raises on any rank,
+                nothing is written back.
             offload_to_cpu (bool, Optional): If ``True``, full parameters are
-                offloaded to CPU. Note that this offloading currently only
-                occurs if the parameter is sharded (which is only not the case
-                for world_size = 1 or ``NO_SHARD`` config). It is recommended
+                offloaded to CPU. For ``world_size = 1`` or ``NO_SHARD``
+                config, this is a CPU copy whose changes are copied back upon
+                exit (they persist regardless of ``writeback``). It is recommended
                 to use ``offload_to_cpu`` with ``rank0_only=True`` to avoid
                 redundant copies of model parameters being offloaded to the same CPU memory.
             with_grads (bool, Optional): If ``True``, gradients are also
-                unsharded with the parameters. Currently, this is only
-                supported when passing ``use_orig_params=True`` to the FSDP
-                constructor and ``offload_to_cpu=False`` to this method.
+                unsharded with the parameters (offloaded to CPU with
+                ``offload_to_cpu=True``). Not supported together with
+                ``writeback=True`` and ``rank0_only=True``.
                 (Default: ``False``)
         """
         with _unshard_params(
