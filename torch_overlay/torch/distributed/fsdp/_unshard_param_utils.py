@@ -158,6 +158,16 @@ def _gather_to_rank0(
     is_src = _is_rank0_writeback_src(state, handle)
     with state._device_handle.stream(stream):
         handle.pre_unshard()
+    # As in `_unshard()`, so that the free events that `_reshard()` records
+    # keep being consumed
+    if state.limit_all_gathers:
+        event = state._free_event_queue.dequeue_if_needed()
+        if event:
+            with torch.profiler.record_function(
+                "FullyShardedDataParallel.rate_limiter"
+            ):
+                event.synchronize()
+    with state._device_handle.stream(stream):
         if handle.needs_unshard() and (
             inter_node_pg is None or dist.get_rank(inter_node_pg) == 0
         ):
