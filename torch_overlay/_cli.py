@@ -87,6 +87,13 @@ def run(action: str, patches_dir: Path = _fork.DEFAULT_PATCHES_DIR) -> int:
     except (BaseMismatchError, _fork.ForkError) as e:
         print(e, file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. a read-only site-packages: say which file, and that nothing was changed
+        print(
+            f"torch-overlay: {action} failed on {e.filename}: {e.strerror}. Nothing was changed; "
+            "run it as a user who can write this environment.",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def activate_main(argv: list[str] | None = None) -> int:

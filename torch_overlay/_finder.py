@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import types
 import warnings
 from importlib.machinery import ModuleSpec
@@ -18,10 +19,10 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def overlay_files() -> dict[str, str]:
-    """Module name -> our file, in the manifest's (dependency) order."""
+    """Module name -> our file for the modules served at run time, in the manifest's (dependency) order."""
     with open(os.path.join(PACKAGE_DIR, "manifest.json"), encoding="utf-8") as f:
         modules = json.load(f)["modules"]
-    return {m["name"]: os.path.join(PACKAGE_DIR, *m["path"].split("/")) for m in modules}
+    return {m["name"]: os.path.join(PACKAGE_DIR, *m["path"].split("/")) for m in modules if m.get("runtime", True)}
 
 
 class OverlayFinder:
@@ -35,27 +36,45 @@ class OverlayFinder:
     def __init__(self, guard_on_first_use: bool) -> None:
         self._files = overlay_files()
         self._guard_pending = guard_on_first_use
+        self._guard_lock = threading.Lock()
         self.disabled_reason: str | None = None
+
+    @property
+    def base_checked(self) -> bool:
+        return not self._guard_pending
+
+    def verify(self) -> str | None:
+        """Run the pending base check once (thread-safe); return why the finder stands down, or None.
+
+        Any error in the check itself also makes the finder stand down: serving unchecked files is never the
+        fallback.
+        """
+        if self._guard_pending:
+            with self._guard_lock:
+                if self._guard_pending:
+                    from torch_overlay._loader import stand_down_reason
+
+                    try:
+                        self.disabled_reason = stand_down_reason()
+                    except Exception as e:  # the user's import must go on, on stock torch
+                        self.disabled_reason = f"the base check failed: {e!r}"
+                    self._guard_pending = False
+                    if self.disabled_reason is not None:
+                        warnings.warn(
+                            "torch_overlay: the overlay is NOT active in this process, the installed torch is "
+                            f"not its base: {self.disabled_reason}. "
+                            "Run `python -m torch_overlay.activate --status`.",
+                            RuntimeWarning,
+                            stacklevel=3,
+                        )
+        return self.disabled_reason
 
     def find_spec(
         self, fullname: str, path: object = None, target: types.ModuleType | None = None
     ) -> ModuleSpec | None:
         overlay_file = self._files.get(fullname)
-        if overlay_file is None or self.disabled_reason is not None:
+        if overlay_file is None or self.verify() is not None:
             return None
-        if self._guard_pending:
-            self._guard_pending = False
-            from torch_overlay._loader import stand_down_reason
-
-            self.disabled_reason = stand_down_reason()
-            if self.disabled_reason is not None:
-                warnings.warn(
-                    "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
-                    f"its base: {self.disabled_reason}. Run `python -m torch_overlay.activate --status`.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return None
         return overlay_spec(fullname, overlay_file)
 
 

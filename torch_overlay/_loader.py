@@ -46,6 +46,8 @@ class ProcessState:
     """The overlay's state in this interpreter."""
 
     active: bool
+    base_checked: bool
+    """False while the start-up hook's finder waits for the first import of a replaced module to check."""
     disabled_reason: str | None
     """Why an activation from the start-up hook stood down (base mismatch), else None."""
     modules: tuple[tuple[str, ModuleState], ...]
@@ -68,18 +70,28 @@ def activate(*, guard_on_first_use: bool = False) -> None:
     torch is not the base (unless ``guard_on_first_use``, see :class:`~torch_overlay._finder.OverlayFinder`).
     """
     with _lock:
-        if installed_finder() is not None:
+        finder = installed_finder()
+        if finder is not None:
+            # Installed by the start-up hook: an explicit call checks the base now, and says so if it failed.
+            if not guard_on_first_use and finder.verify() is not None:
+                raise BaseMismatchError(
+                    f"torch_overlay: the overlay stood down in this process: {finder.disabled_reason}"
+                )
             return
         manifest = load_manifest()
-        check_now = not guard_on_first_use or any(m.name in sys.modules for m in manifest.modules)
+        check_now = not guard_on_first_use or any(m.name in sys.modules for m in manifest.runtime_modules)
         if check_now:
             refusal = _fork.refusal("activate the overlay")
             if refusal:
                 raise BaseMismatchError(refusal)
             require_base("activate the overlay", manifest)
+        # NOTE: the finder goes in first, so that a manifest module first imported while the others are
+        # swapped (by an overlay module, or another thread) is served from the overlay too.
+        finder = OverlayFinder(guard_on_first_use=not check_now)
+        sys.meta_path.insert(0, finder)
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
         try:
-            for overlay in manifest.modules:
+            for overlay in manifest.runtime_modules:
                 current = sys.modules.get(overlay.name)
                 if current is None or is_overlay_module(current, overlay):
                     continue
@@ -89,9 +101,9 @@ def activate(*, guard_on_first_use: bool = False) -> None:
         except BaseException:
             for name, current, replacement in reversed(done):
                 _swap(name, replacement, current, manifest)
+            sys.meta_path.remove(finder)
             raise
         _originals.update({name: current for name, current, _ in done})
-        sys.meta_path.insert(0, OverlayFinder(guard_on_first_use=not check_now))
 
 
 def deactivate() -> None:
@@ -101,17 +113,22 @@ def deactivate() -> None:
         if finder is None:
             return
         manifest = load_manifest()
+        done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
+        try:
+            # NOTE: forward (dependency) order, so that a stock module executed afresh here imports the
+            # stock versions of the manifest modules before it, never the overlay ones.
+            for overlay in manifest.runtime_modules:
+                current = sys.modules.get(overlay.name)
+                if current is None or not is_overlay_module(current, overlay):
+                    continue
+                original = _originals.get(overlay.name) or _execute(overlay.name, _stock_spec(overlay.name))
+                _swap(overlay.name, current, original, manifest)
+                done.append((overlay.name, current, original))
+        except BaseException:
+            for name, current, original in reversed(done):
+                _swap(name, original, current, manifest)
+            raise
         sys.meta_path.remove(finder)
-        # NOTE: forward (dependency) order, so that a stock module executed afresh here imports the
-        # stock versions of the manifest modules before it, never the overlay ones.
-        for overlay in manifest.modules:
-            current = sys.modules.get(overlay.name)
-            if current is None or not is_overlay_module(current, overlay):
-                continue
-            original = _originals.pop(overlay.name, None)
-            if original is None:
-                original = _execute(overlay.name, _stock_spec(overlay.name))
-            _swap(overlay.name, current, original, manifest)
         _originals.clear()
 
 
@@ -129,7 +146,7 @@ def process_state() -> ProcessState:
     with _lock:
         manifest = load_manifest()
         modules = []
-        for overlay in manifest.modules:
+        for overlay in manifest.runtime_modules:
             module = sys.modules.get(overlay.name)
             if module is None:
                 state = ModuleState.NOT_IMPORTED
@@ -140,7 +157,8 @@ def process_state() -> ProcessState:
             modules.append((overlay.name, state))
         finder = installed_finder()
         disabled = finder.disabled_reason if finder is not None else None
-        return ProcessState(finder is not None and disabled is None, disabled, tuple(modules))
+        checked = finder is not None and finder.base_checked
+        return ProcessState(finder is not None and disabled is None, checked, disabled, tuple(modules))
 
 
 def _stock_spec(name: str) -> ModuleSpec | None:
@@ -177,7 +195,7 @@ def _swap(name: str, old: types.ModuleType, new: types.ModuleType, manifest: Man
         ):
             replacements[id(value)] = (value, new_globals[attr])
     untouchable = {id(old), id(new)} | {id(m) for m in _originals.values()}
-    untouchable |= {id(sys.modules.get(m.name)) for m in manifest.modules}
+    untouchable |= {id(sys.modules.get(m.name)) for m in manifest.runtime_modules}
     for module in list(sys.modules.values()):
         if not isinstance(module, types.ModuleType) or id(module) in untouchable:
             continue

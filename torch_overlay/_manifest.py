@@ -27,6 +27,11 @@ class OverlayModule:
     """POSIX path relative to a PyTorch checkout or to site-packages, e.g. ``torch/distributed/...py``."""
     base_sha256: str
     """sha256 of the upstream file at the base version."""
+    runtime: bool = True
+    """Served by the runtime overlay. False for a file changed only in its docstrings whose module defines
+    classes that live objects are instances of (``FullyShardedDataParallel``): serving a new copy at run time
+    would break ``isinstance`` for every model built before activation, for a change no program can observe.
+    Such a file is still checked by the guard, patched by fork mode and carried by the upstream series."""
 
     @property
     def overlay_file(self) -> Path:
@@ -49,13 +54,18 @@ class Manifest:
     def module(self, name: str) -> OverlayModule | None:
         return next((m for m in self.modules if m.name == name), None)
 
+    @property
+    def runtime_modules(self) -> tuple[OverlayModule, ...]:
+        """The modules the runtime overlay serves (see :attr:`OverlayModule.runtime`)."""
+        return tuple(m for m in self.modules if m.runtime)
+
 
 def load_manifest(path: Path = MANIFEST_PATH) -> Manifest:
     """Read and validate ``manifest.json``; a malformed manifest is a bug in this package, said plainly."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         modules = tuple(
-            OverlayModule(name=m["name"], path=m["path"], base_sha256=m["base_sha256"]) for m in raw["modules"]
+            OverlayModule(m["name"], m["path"], m["base_sha256"], m.get("runtime", True)) for m in raw["modules"]
         )
         manifest = Manifest(raw["base"]["package"], raw["base"]["version"], modules)
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -69,6 +69,9 @@ def install_hook(site_packages: Path | None = None) -> tuple[Path, bool]:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(hook_text(path))
+        # NOTE: mkstemp creates 0600, and site skips a .pth it cannot read without a word: every other user of
+        # a shared environment would silently run stock torch.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -59,7 +59,9 @@ class OverlayStatus:
         if self.env_value is not None and self.env_value.strip() == "0":
             env += " (start-up hook off for this process)"
         rows.append((ENV_VAR, env))
-        if self.process.active:
+        if self.process.active and not self.process.base_checked:
+            process = "active (the base is checked at the first import of a replaced module)"
+        elif self.process.active:
             process = "active"
         elif self.process.disabled_reason:
             process = f"stood down ({self.process.disabled_reason})"

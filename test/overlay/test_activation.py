@@ -127,6 +127,62 @@ class ActivationTest(unittest.TestCase):
             report, {"torch_imported_by_activate": False, "served_lazily": True, "stock_after_deactivate": True}
         )
 
+    def test_models_built_before_activation_keep_their_classes(self):
+        report = run_scenario(
+            """
+            import torch.distributed.fsdp as fsdp
+            cls = fsdp.FullyShardedDataParallel
+            torch_overlay.activate()
+            print(json.dumps({
+                "same_fsdp_class": fsdp.FullyShardedDataParallel is cls,
+                "served": sorted(n for n, s in torch_overlay.status().process.modules if s.value == "overlay"),
+            }))
+            """
+        )
+        self.assertEqual(
+            report,
+            {
+                "same_fsdp_class": True,
+                "served": [
+                    "torch.distributed.fsdp._unshard_param_utils",
+                    "torch.distributed.tensor.parallel._data_parallel_utils",
+                ],
+            },
+        )
+
+    def test_a_failing_base_check_stands_down_without_breaking_imports(self):
+        report = run_scenario(
+            """
+            import warnings
+            import torch_overlay._loader as loader
+            from torch_overlay._startup import boot
+
+            def broken():
+                raise PermissionError("unreadable torch file")
+
+            loader.stand_down_reason = broken
+            boot()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                import torch.distributed.tensor.parallel.ddp as ddp
+                import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_api
+            try:
+                torch_overlay.activate()
+                raised = None
+            except torch_overlay.BaseMismatchError as e:
+                raised = str(e)
+            print(json.dumps({
+                "stock": not is_ours(ddp._localize_dtensor) and not is_ours(fsdp_api._unshard_params),
+                "warnings": [str(w.message) for w in caught if "torch_overlay" in str(w.message)],
+                "activate_raised": raised,
+            }))
+            """
+        )
+        self.assertTrue(report["stock"])
+        self.assertEqual(len(report["warnings"]), 1, report)
+        self.assertIn("the base check failed: PermissionError('unreadable torch file')", report["warnings"][0])
+        self.assertIn("stood down in this process: the base check failed", report["activate_raised"])
+
     def test_env_kill_switch_wins_over_activate(self):
         result = run(
             [

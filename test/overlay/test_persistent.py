@@ -2,6 +2,7 @@
 TORCH_OVERLAY=0, status and check, revert, and a start-up hook that can never break interpreter start-up."""
 
 import re
+import stat
 import tempfile
 import unittest
 from pathlib import Path
@@ -32,6 +33,8 @@ class PersistentHookTest(TestCase):
         self.assertEqual(first.returncode, 0, first.stderr)
         self.assertIn(f"persistent overlay installed: {self.venv.hook}", first.stdout)
         self.assertIn("already installed", second.stdout)
+        # site skips a .pth it cannot read, without a word: other users of the environment must read it.
+        self.assertEqual(stat.S_IMODE(self.venv.hook.stat().st_mode), 0o644)
 
         report = probe(self.venv.python, "--spawn")
         self.assertFalse(report["at_start"]["torch_imported"], "the start-up hook must not import torch")
@@ -50,11 +53,10 @@ base:          torch 2.13.0, 4 files: matches
 persistent:    installed (<tmp>/venv/lib/python3.11/site-packages/torch_overlay_startup.pth)
 fork mode:     not applied
 TORCH_OVERLAY: unset
-this process:  active
+this process:  active (the base is checked at the first import of a replaced module)
   torch.distributed.tensor.parallel._data_parallel_utils  not imported
   torch.distributed.tensor.parallel.ddp                   not imported
   torch.distributed.fsdp._unshard_param_utils             not imported
-  torch.distributed.fsdp.fully_sharded_data_parallel      not imported
 """,
         )
         self.assertEqual(self.cli("--check").returncode, 0)
