@@ -10,13 +10,10 @@ pristine base, or when the applied series differs from the overlay files or the 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from tools.patches import (
-    SERIES_FILE,
     PatchError,
     generate,
     generated_files,
@@ -26,6 +23,7 @@ from tools.patches import (
 from tools.pristine import BaseSourceError, pristine_base
 from tools.project import Project, default_project
 from tools.series import SeriesError, load_series
+from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
 
 
 def drift(project: Project, expected: dict[str, bytes]) -> list[str]:
@@ -47,39 +45,31 @@ def drift(project: Project, expected: dict[str, bytes]) -> list[str]:
 
 def apply_problems(project: Project, base: dict[str, bytes]) -> list[str]:
     """Apply ``patches/series`` in order with ``git apply`` onto the base; compare with the overlay and tests."""
-    series_path = project.patches_dir / SERIES_FILE
-    if not series_path.is_file():
-        return [f"patches/{SERIES_FILE}: missing; run `make patches`"]
-    names = series_path.read_text(encoding="utf-8").split()
+    try:
+        patch_files = read_series(project.patches_dir)
+    except SeriesMissingError as e:
+        return [str(e)]
     patches = load_series(project.series_toml)
     edited = [path for p in patches for path in p.upstream_test_edits]
-    with tempfile.TemporaryDirectory(prefix="torch-overlay-check-") as tmp:
-        tree = Path(tmp)
-        subprocess.run(["git", "init", "--quiet"], cwd=tree, check=True)
-        for path, content in base.items():
-            (tree / path).parent.mkdir(parents=True, exist_ok=True)
-            (tree / path).write_bytes(content)
-        for name in names:
-            # NOTE: upstream test files are not in the wheel; their edits are checked against test/ below.
-            excludes = [f"--exclude={path}" for path in edited]
-            proc = subprocess.run(
-                ["git", "apply", *excludes, str((project.patches_dir / name).resolve())],
-                cwd=tree,
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                return [f"patches/{name}: does not apply in order onto the pristine base: {proc.stderr.strip()}"]
-        problems = []
-        for path, content in project.overlay_files().items():
-            if (tree / path).read_bytes() != content:
-                problems.append(f"{path}: the applied series differs from the overlay file torch_overlay/{path}")
-        for path in [t for p in patches for t in p.tests]:
-            if (tree / path).read_bytes() != project.repo_file(path).read_bytes():
-                problems.append(f"{path}: the applied series differs from the test file in this repo")
-        for path in edited:
-            if project.repo_file(path).is_file():
-                problems += new_side_problems(read_upstream_edit(project, path), project.repo_file(path))
+    # NOTE: upstream test files are not in the wheel; their edits are checked against test/ below.
+    try:
+        tree = apply_series(base, patch_files, [f"--exclude={path}" for path in edited])
+    except PatchApplyError as e:
+        return [f"patches/{e.patch.name}: does not apply in order onto the pristine base: {e.stderr}"]
+    problems = []
+    for path, content in project.overlay_files().items():
+        if tree.get(path) != content:
+            problems.append(f"{path}: the applied series differs from the overlay file torch_overlay/{path}")
+    for path in [t for p in patches for t in p.tests]:
+        if path not in tree:
+            problems.append(f"{path}: not created by the applied series (patches/ is stale); run `make patches`")
+        elif not project.repo_file(path).is_file():
+            problems.append(f"{path}: in the applied series but missing in this repo; restore it or drop it")
+        elif tree[path] != project.repo_file(path).read_bytes():
+            problems.append(f"{path}: the applied series differs from the test file in this repo")
+    for path in edited:
+        if project.repo_file(path).is_file():
+            problems += new_side_problems(project, read_upstream_edit(project, path), project.repo_file(path))
     return problems
 
 

@@ -10,9 +10,8 @@ and ``git format-patch`` writes the series, so regenerating from the same inputs
 from __future__ import annotations
 
 import argparse
-import os
+import hashlib
 import re
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -22,12 +21,11 @@ from pathlib import Path
 from tools.pristine import BaseSourceError, pristine_base
 from tools.project import Project, default_project
 from tools.series import Patch, SeriesError, file_states, load_series
+from torch_overlay import _git
+from torch_overlay._patchset import SERIES_FILE
 
-AUTHOR = ("torch-overlay", "torch-overlay@users.noreply.github.com")
-DATE = "2026-01-01T00:00:00+0000"
-SERIES_FILE = "series"
 _UPSTREAM_BASE_RE = re.compile(r"^Upstream-Base: (\S+)\n")
-_HUNK_RE = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
+_INDEX_RE = re.compile(r"^index [0-9a-f]+\.\.([0-9a-f]+)(?: [0-7]+)?$", re.MULTILINE)
 
 
 class PatchError(RuntimeError):
@@ -43,22 +41,12 @@ class UpstreamEdit:
     diff: str
 
 
-def git(cwd: Path, *args: str, input: str | None = None) -> str:
-    env = dict(
-        os.environ,
-        GIT_AUTHOR_NAME=AUTHOR[0],
-        GIT_AUTHOR_EMAIL=AUTHOR[1],
-        GIT_COMMITTER_NAME=AUTHOR[0],
-        GIT_COMMITTER_EMAIL=AUTHOR[1],
-        GIT_AUTHOR_DATE=DATE,
-        GIT_COMMITTER_DATE=DATE,
-        GIT_CONFIG_NOSYSTEM="1",
-        GIT_CONFIG_GLOBAL=os.devnull,
-    )
-    proc = subprocess.run(["git", *args], cwd=cwd, env=env, input=input, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise PatchError(f"git {' '.join(args)} failed in {cwd}:\n{proc.stderr.strip()}")
-    return proc.stdout
+def git(repo: Path, *args: str, input: str | None = None) -> str:
+    """git in the scratch repository, isolated from the caller's environment and config (:mod:`_git`)."""
+    try:
+        return _git.git(repo, *args, input=input)
+    except _git.GitError as e:
+        raise PatchError(str(e)) from e
 
 
 def read_upstream_edit(project: Project, path: str) -> UpstreamEdit:
@@ -77,26 +65,25 @@ def read_upstream_edit(project: Project, path: str) -> UpstreamEdit:
     return UpstreamEdit(path, match.group(1), diff)
 
 
-def new_side_problems(edit: UpstreamEdit, local: Path) -> list[str]:
-    """Where the diff's new side disagrees with the rewritten file kept at ``local`` (empty when it agrees)."""
-    lines = local.read_text(encoding="utf-8").splitlines(keepends=True)
-    problems = []
-    start, new = 0, []
-    hunks: list[tuple[int, list[str]]] = []
-    for line in edit.diff.splitlines(keepends=True):
-        hunk = _HUNK_RE.match(line)
-        if hunk:
-            start, new = int(hunk.group(1)), []
-            hunks.append((start, new))
-        elif hunks and line.startswith((" ", "+")):
-            new.append(line[1:])
-        elif hunks and line.startswith("\\") and new:
-            new[-1] = new[-1].removesuffix("\n")
-    for start, new in hunks:
-        first = max(start - 1, 0)
-        if lines[first : first + len(new)] != new:
-            problems.append(f"{local}: differs from the new side of the hunk at line {start} of {edit.path}.diff")
-    return problems
+def blob_id(content: bytes) -> str:
+    """What ``git hash-object`` prints for a file holding ``content`` (a SHA-1 repository)."""
+    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+def new_side_problems(project: Project, edit: UpstreamEdit, local: Path) -> list[str]:
+    """Where the diff's new side is not the rewritten file kept at ``local``, exactly (empty when it is).
+
+    The diff's ``index a..b`` line names the new side's blob; ``local`` must hash to it.
+    """
+    where = project.upstream_edit_file(edit.path).relative_to(project.root)
+    match = _INDEX_RE.search(edit.diff)
+    if match is None:
+        return [f"{where}: no 'index <old>..<new>' line; regenerate it with `git diff` (README, 'Patches')"]
+    found, new = blob_id(local.read_bytes()), match.group(1)
+    if found.startswith(new):
+        return []
+    local_path = local.relative_to(project.root)
+    return [f"{local_path}: git hash-object {found} is not the new blob {new} of {where}; make them equal"]
 
 
 def commit_message(patch: Patch, edits: list[UpstreamEdit], version: str) -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 
 import expecttest
 from _patch_project import make_project
@@ -137,7 +139,85 @@ series.toml does not split the overlay into its patches:
         (self.project.root / "test/fake/test_upstream.py").write_text("import torch\n\n\ndef test_a():\n    assert 3\n")
         problems = check(self.project, self.base_dir)
         self.assertEqual(len(problems), 1)
-        self.assertIn("test/fake/test_upstream.py: differs from the new side of the hunk at line 2", problems[0])
+        self.assertIn(
+            "test/fake/test_upstream.py: git hash-object 0e6e563c51a19a754d40745c800f1c8e2b329b4c is not", problems[0]
+        )
+
+    def test_stray_edit_after_the_last_hunk_is_found(self) -> None:
+        self.regenerate()
+        local = self.project.root / "test/fake/test_upstream.py"
+        local.write_text(local.read_text() + "# stray edit\n")
+        self.assertEqual(
+            check(self.project, self.base_dir),
+            [
+                "test/fake/test_upstream.py: git hash-object cbd08debe0da090d1545b74e1a7511c771c44437 is not the new "
+                "blob eaf34ed of test/upstream_edits/test/fake/test_upstream.py.diff; make them equal"
+            ],
+        )
+
+    def test_stale_patches_report_missing_test_file(self) -> None:
+        self.regenerate()
+        (self.project.root / "test/fake/test_three.py").write_text("def test_three():\n    pass\n")
+        toml = self.project.series_toml
+        toml.write_text(
+            toml.read_text().replace(
+                'tests = ["test/fake/test_two.py"]', 'tests = ["test/fake/test_two.py", "test/fake/test_three.py"]'
+            )
+        )
+        problems = check(self.project, self.base_dir)
+        self.assertIn(
+            "patches/0002-extend.patch: differs from what the overlay and series.toml generate; run `make patches`",
+            problems,
+        )
+        self.assertIn(
+            "test/fake/test_three.py: not created by the applied series (patches/ is stale); run `make patches`",
+            problems,
+        )
+
+
+class TestGitIsolation(unittest.TestCase):
+    """The tools' git never acts on the caller's repository, nor reads the user's git config."""
+
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.tmp = Path(self._tmp.name)
+        self.project, self.base_dir = make_project(self.tmp)
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def test_hook_environment_does_not_reach_the_callers_repo(self) -> None:
+        user = self.tmp / "user"
+        subprocess.run(["git", "init", "-q", str(user)], check=True)
+        (user / "a").write_text("a\n")
+        subprocess.run(["git", "-C", str(user), "add", "a"], check=True)
+        ident = ["-c", "user.name=U", "-c", "user.email=u@x"]
+        subprocess.run(["git", "-C", str(user), *ident, "commit", "-qm", "user commit"], check=True)
+
+        def snapshot() -> tuple[str, bytes]:
+            refs = subprocess.run(["git", "-C", str(user), "show-ref"], capture_output=True, text=True).stdout
+            return refs, (user / ".git" / "index").read_bytes()
+
+        before = snapshot()
+        # What git exports to a pre-commit hook of the user's repository.
+        hook_env = {
+            "GIT_DIR": str(user / ".git"),
+            "GIT_INDEX_FILE": str(user / ".git" / "index"),
+            "GIT_WORK_TREE": str(user),
+        }
+        with mock.patch.dict(os.environ, hook_env):
+            write(self.project, generate(self.project, pristine_base(self.project.manifest(), self.base_dir)))
+            self.assertEqual(check(self.project, self.base_dir), [])
+        self.assertEqual(snapshot(), before)
+
+    def test_user_git_config_is_ignored(self) -> None:
+        (self.tmp / "home").mkdir()
+        (self.tmp / "home" / ".gitconfig").write_text("[apply]\n\twhitespace = fix\n")
+        overlay = self.project.overlay_file("torch/fake/beta.py")
+        overlay.write_text(overlay.read_text().replace("# extended", "# extended   "))
+        with mock.patch.dict(os.environ, {"HOME": str(self.tmp / "home"), "XDG_CONFIG_HOME": str(self.tmp / "home")}):
+            write(self.project, generate(self.project, pristine_base(self.project.manifest(), self.base_dir)))
+            self.assertEqual(check(self.project, self.base_dir), [])
 
 
 class TestRealRepo(unittest.TestCase):
