@@ -30,6 +30,10 @@ def load_red_tests(path: Path = RED_LIST) -> dict[str, re.Pattern[str]]:
         node_id, _, pattern = line.partition(" ")
         if not pattern.strip():
             raise pytest.UsageError(f"{path}:{number}: expected '<node id> <pattern>', got {line!r}")
+        if node_id in red:
+            raise pytest.UsageError(f"{path}:{number}: {node_id} is listed twice")
+        if not (TEST_DIR.parent / node_id.split("::", 1)[0]).is_file():
+            raise pytest.UsageError(f"{path}:{number}: no file {node_id.split('::', 1)[0]} (renamed or removed?)")
         red[node_id] = re.compile(pattern.strip())
     return red
 
@@ -52,28 +56,22 @@ def pytest_configure(config: pytest.Config) -> None:
         loader.deactivate()
     else:
         loader.activate()
-    config.stash[_RED] = load_red_tests() if stock else {}
+    config.stash[_RED] = load_red_tests()
 
 
 _RED = pytest.StashKey[dict]()
 
 
-def _node_id(item: pytest.Item) -> str:
-    return item.nodeid
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     red = config.stash[_RED]
-    if not config.getoption("--stock"):
-        return
-    collected = {_node_id(item) for item in items}
+    collected = {item.nodeid for item in items}
     collected_files = {node_id.split("::", 1)[0] for node_id in collected}
     missing = [n for n in red if n.split("::", 1)[0] in collected_files and n not in collected]
     if missing:
         raise pytest.UsageError(f"{RED_LIST}: listed tests not found (renamed or removed?): {missing}")
-    keep = [item for item in items if _node_id(item) in red]
-    config.hook.pytest_deselected(items=[item for item in items if _node_id(item) not in red])
-    items[:] = keep
+    if config.getoption("--stock"):
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in red])
+        items[:] = [item for item in items if item.nodeid in red]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -83,14 +81,24 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         item.cls.poison_pill = False
 
 
+def _exception_lines(report: pytest.TestReport) -> str:
+    """The lines pytest marks with ``E`` (the exception and its message), not the source it displays."""
+    return "\n".join(line[1:] for line in report.longreprtext.splitlines() if line.startswith("E "))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
-    pattern = item.config.stash[_RED].get(_node_id(item))
     report = outcome.get_result()
-    if pattern is None or report.when != "call":
+    pattern = item.config.stash[_RED].get(item.nodeid)
+    if pattern is None or not (report.when == "call" or report.skipped):
         return
-    if report.failed and pattern.search(report.longreprtext):
+    if not item.config.getoption("--stock"):
+        if report.skipped:  # a red test that does not run proves nothing, with the overlay either
+            report.outcome = "failed"
+            report.longrepr = f"red-on-stock: {report.nodeid} was skipped; a listed test must run and pass"
+        return
+    if report.failed and pattern.search(_exception_lines(report)):
         report.outcome = "skipped"
         report.wasxfail = f"fails on stock torch as expected: /{pattern.pattern}/"
     elif report.failed:

@@ -27,6 +27,13 @@ SYNTHETIC_TESTS = textwrap.dedent(
         def test_skipped_on_stock(self):
             raise unittest.SkipTest("hidden")
 
+        @unittest.skip("hidden at setup")
+        def test_skipped_at_setup(self):
+            pass
+
+        def test_pattern_only_in_source(self):
+            assert 1 == 2  # the stock defect
+
         def test_not_listed(self):
             raise AssertionError("never runs with --stock")
     """
@@ -46,6 +53,8 @@ class RedGreenHarnessTest(unittest.TestCase):
                 f"{node}test_red_for_another_reason the stock defect\n"
                 f"{node}test_passes_on_stock the stock defect\n"
                 f"{node}test_skipped_on_stock the stock defect\n"
+                f"{node}test_skipped_at_setup the stock defect\n"
+                f"{node}test_pattern_only_in_source the stock defect\n"
             )
             (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n")
             result = run([sys.executable, "-m", "pytest", "--stock", "-rA", "test"], cwd=root)
@@ -63,12 +72,28 @@ class RedGreenHarnessTest(unittest.TestCase):
                 "test_red_for_another_reason": "FAILED",
                 "test_passes_on_stock": "FAILED",
                 "test_skipped_on_stock": "FAILED",
+                "test_skipped_at_setup": "FAILED",
+                "test_pattern_only_in_source": "FAILED",
             },
             result.stdout,
         )
         self.assertIn("does not prove its fix", result.stdout)
         self.assertIn("but not with /the stock defect/", result.stdout)
         self.assertRegex(result.stdout, r"1 deselected")
+
+    def test_a_listed_file_that_is_gone_is_an_error(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            (root / "test" / "overlay").mkdir(parents=True)
+            shutil.copy(REPO_ROOT / "test" / "conftest.py", root / "test" / "conftest.py")
+            (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
+            (root / "test" / "overlay" / "red_on_stock.txt").write_text(
+                "test/test_renamed.py::T::test_red_as_listed the stock defect\n"
+            )
+            (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n")
+            result = run([sys.executable, "-m", "pytest", "--stock", "test"], cwd=root)
+        self.assertEqual(result.returncode, 4, result.stdout + result.stderr)
+        self.assertIn("no file test/test_renamed.py (renamed or removed?)", result.stderr)
 
 
 if __name__ == "__main__":
