@@ -176,6 +176,18 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         self.assertEqual(block(y), reference.blocks[1](y))
         self.assertIs(block.net1.weight, dict(model.named_parameters())["blocks.1.net1.weight"])
 
+    def assert_grads_match(self, model, reference):
+        """Every parameter of ``model`` has the gradient of ``reference``'s."""
+        self.assertEqual(
+            [name for name, _ in model.named_parameters()],
+            [name for name, _ in reference.named_parameters()],
+            "parameters disappeared",
+        )
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+            self.assertEqual(param.grad is None, ref.grad is None, msg=f"{name}: grad is None")
+            if ref.grad is not None:
+                self.assert_close_to_reference(model, name, param.grad, ref.grad)
+
     def assert_close_to_reference(self, model, name, local, ref):
         """``local`` (a local shard of ``name``) matches the same part of ``ref``."""
         spec = dict(model.named_parameters())[name].__dict__.get("_st_info")
@@ -224,6 +236,11 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         for step in range(4):
             ddp(self.inputs(mesh, step)).sum().backward()
             self.assertEqual(sizes(), first, "hooks or state grew with the iterations")
+            # Each module caches one DTensor view per TP parameter it owns.
+            for module in model.modules():
+                views = module.__dict__.get("_dp_dtensor_param_views")
+                if views is not None:
+                    self.assertEqual(set(views.cache), set(views.specs))
 
     def test_state_dict_and_dcp_round_trip(self):
         """state_dict() gives global DTensors; DCP save -> load round-trips bitwise."""
@@ -263,9 +280,119 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         for (name, param), expected in zip(other.named_parameters(), model.parameters(), strict=True):
             self.assertEqual(param, expected, atol=0, rtol=0, msg=name)
 
-    def _check_parity(self, make_ddp, steps=3):
+    def test_first_forward_without_grad(self):
+        """A first forward under no_grad or inference_mode, then training steps."""
+        for mode in (torch.no_grad, torch.inference_mode):
+
+            def make(model, mesh, mode=mode):
+                ddp = DDP(model, device_mesh=mesh["dp"])
+                # Views made here must not be reused for training: they would
+                # have no autograd node, or be inference tensors (which cannot
+                # be saved for backward, frozen or not).
+                with mode():
+                    ddp(self.inputs(mesh, 0))
+                return ddp
+
+            self._check_parity(make, check_grads=True, frozen=["blocks.1.net1.weight"])
+
+    def test_requires_grad_toggled_after_wrapping(self):
+        """Freezing or unfreezing a TP parameter after wrapping takes effect."""
         mesh = self.mesh()
         reference, model = self.build(mesh)
+        frozen, unfrozen = "blocks.0.net1.weight", "blocks.1.net2.weight"
+        for m in (reference, model):
+            m.get_parameter(unfrozen).requires_grad_(False)
+        # find_unused_parameters: DDP sees no gradient for the newly frozen one.
+        ddp = DDP(model, device_mesh=mesh["dp"], find_unused_parameters=True)
+        ref_ddp = DDP(
+            reference,
+            process_group=mesh["dp"].get_group(),
+            find_unused_parameters=True,
+        )
+        for step in range(3):
+            if step == 1:
+                for m in (reference, model):
+                    m.get_parameter(frozen).requires_grad_(False)
+                    m.get_parameter(unfrozen).requires_grad_(True)
+            x = self.inputs(mesh, step)
+            ddp(x).sum().backward()
+            ref_ddp(x).sum().backward()
+            self.assert_grads_match(model, reference)
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+        self.assertIsNone(model.get_parameter(frozen).grad)
+
+    def test_deepcopy_after_forward(self):
+        """A deep copy made after forwards is independent and computes the same."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        x = self.inputs(mesh, 0)
+        ddp(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        copied = copy.deepcopy(model)
+        self.assertEqual(
+            [name for name, _ in copied.named_parameters()],
+            [name for name, _ in model.named_parameters()],
+        )
+        for (name, param), orig in zip(copied.named_parameters(), model.parameters(), strict=True):
+            self.assertIsNot(param, orig, name)
+            self.assertEqual(param, orig, atol=0, rtol=0, msg=name)
+        self.assertEqual(copied(x), model(x))
+        # The copy's views are its own parameters': gradients flow to them only.
+        copied(x).sum().backward()
+        for (name, param), orig in zip(copied.named_parameters(), model.parameters(), strict=True):
+            self.assertIsNotNone(param.grad, name)
+            self.assertIsNone(orig.grad, name)
+        model(x).sum().backward()
+        for (name, param), orig in zip(copied.named_parameters(), model.parameters(), strict=True):
+            self.assertEqual(param.grad, orig.grad, msg=name)
+
+    def test_views_rebuilt_when_stale(self):
+        """A module reuses its DTensor views across forwards until they are stale."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        _, other = self.build(mesh, seed=1)  # TP only
+        net1 = model.blocks[0].net1
+        seen = []
+        net1.register_forward_pre_hook(lambda m, i: seen.append(m.weight))
+        x = self.inputs(mesh, 0)
+        ddp(x).sum().backward()
+        # Other parameter objects: load_state_dict(assign=True).
+        model.load_state_dict(other.state_dict(), assign=True)
+        self.assertEqual(model(x), other(x))
+        self.assertEqual(seen[-1].to_local().data_ptr(), net1.weight.data_ptr())
+        # Other data: module.double() sets each parameter's .data.
+        model.double()
+        other.double()
+        self.assertEqual(model(x.double()), other(x.double()))
+        # Unchanged parameters: the same view, forward after forward.
+        model(x.double())
+        self.assertIs(seen[-1], seen[-2])
+        # A view modified in place has an autograd history of its own.
+        seen[-1].mul_(2)
+        with torch.no_grad():
+            other.blocks[0].net1.weight.mul_(2)
+        model.zero_grad(set_to_none=True)
+        model(x.double()).sum().backward()
+        other(x.double()).sum().backward()
+        self.assertIsNot(seen[-1], seen[-2])
+        self.assertEqual(net1.weight.grad, other.blocks[0].net1.weight.grad.to_local())
+        # Another parameter object on the same data: gradients go to it.
+        old = net1.weight
+        net1.weight = nn.Parameter(old.detach())
+        old.grad = None
+        model(x.double()).sum().backward()
+        self.assertIsNone(old.grad)
+        self.assertIsNotNone(net1.weight.grad)
+
+    def _check_parity(self, make_ddp, steps=3, check_grads=False, frozen=()):
+        mesh = self.mesh()
+        reference, model = self.build(mesh)
+        for name in frozen:
+            model.get_parameter(name).requires_grad_(False)
+            reference.get_parameter(name).requires_grad_(False)
         ddp = make_ddp(model, mesh)
         ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
         optim = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -277,6 +404,8 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             self.assertEqual(loss, ref_loss, msg=f"step {step}")
             loss.backward()
             ref_loss.backward()
+            if check_grads:
+                self.assert_grads_match(model, reference)
             optim.step()
             ref_optim.step()
             optim.zero_grad()

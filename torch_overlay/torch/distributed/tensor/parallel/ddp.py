@@ -1,10 +1,11 @@
 # mypy: allow-untyped-defs
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel._data_parallel_utils import (
     _flatten_tensor,
     sync_grad_hook,
@@ -31,20 +32,28 @@ class _DTensorParamViews:
     ``module.__dict__[name]`` holds a DTensor view of the local shard, which
     shadows the parameter for attribute access (``module.weight``) so that the
     forward computes with DTensors, and gradients flow to the local shard.
-    ``depth`` counts nested entries (a module calling itself) so that the views
-    live until the outermost forward exits.
+    ``specs`` maps each name to its global spec (kept here, as a parameter
+    assigned later or a deep copy of one has no ``_st_info``). ``depth`` counts
+    nested entries (a module calling itself) so that the views live until the
+    outermost forward exits. ``cache`` holds each name's view between forwards,
+    see ``_cached_dtensor_view``.
     """
 
-    names: list[str]
+    specs: dict[str, DTensorSpec]
     depth: int = 0
+    cache: dict[str, tuple[nn.Parameter, int, DTensor]] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles start without views: deepcopy rejects them (they
+        # are not graph leaves) and they belong to this module's parameters.
+        return {**self.__dict__, "depth": 0, "cache": {}}
 
 
-def _dtensor_view(tensor: torch.Tensor, local: nn.Parameter) -> DTensor:
+def _dtensor_view(tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """
-    Return ``tensor`` (``local`` or a tensor sharing its storage) as a DTensor
-    with ``local``'s global spec, without copying or communicating.
+    Return ``tensor`` (a local parameter or a tensor sharing its storage) as a
+    DTensor with the global ``spec``, without copying or communicating.
     """
-    spec = local._st_info  # type: ignore[attr-defined]
     return DTensor.from_local(
         tensor,
         spec.mesh,
@@ -53,6 +62,54 @@ def _dtensor_view(tensor: torch.Tensor, local: nn.Parameter) -> DTensor:
         shape=spec.shape,
         stride=spec.stride,
     )
+
+
+# NOTE: Each module reuses the DTensor view of a localized parameter across
+# forwards, as building one (``DTensor.from_local``) per parameter and forward
+# is most of the cost of the hooks. Reusing it is correct: the view aliases the
+# parameter's storage and version counter, so optimizer steps show through, and
+# its autograd node (``_FromTorchTensor``) saves no tensors, so each backward
+# can go through it again. A view is rebuilt when it would be wrong:
+# - the registered parameter is another object (``load_state_dict(assign=True)``,
+#   assignment): gradients would go to the old one;
+# - the parameter's ``requires_grad`` changed: gradients would flow into a
+#   frozen parameter, or not into an unfrozen one;
+# - the parameter's data is another tensor (``p.data = ...``, also how
+#   ``module.to()``/``_apply`` move and cast parameters): the view would show
+#   the old data;
+# - the view itself was modified in place (its version changed): its autograd
+#   history is no longer the parameter alone.
+# Views are built with grad mode on and outside inference mode, whatever mode
+# the forward runs in: under inference_mode a view would be an inference tensor,
+# which a later training forward cannot save for backward (even the view of a
+# frozen parameter), and under no_grad the view of a parameter that requires
+# grad would have no autograd node, so every no_grad forward would rebuild it
+# (the ``requires_grad`` check). Ops under no_grad or inference_mode record no
+# graph from a view that requires grad, as from a parameter.
+# A cached view keeps the storage it was made from alive until the module's
+# next forward replaces it (e.g. after ``module.to(device)``, which DDP does
+# not support after wrapping anyway).
+def _cached_dtensor_view(
+    views: _DTensorParamViews, name: str, local: nn.Parameter
+) -> DTensor:
+    """
+    Return the DTensor view of the local parameter ``local`` registered as
+    ``name``: the cached one if still valid, else a new one, cached.
+    """
+    cached = views.cache.get(name)
+    if cached is not None:
+        param, version, view = cached
+        if (
+            param is local
+            and view._version == version
+            and view.requires_grad == local.requires_grad
+            and view._local_tensor.is_set_to(local)
+        ):
+            return view
+    with torch.inference_mode(False), torch.enable_grad():
+        view = _dtensor_view(local, views.specs[name])
+    views.cache[name] = (local, view._version, view)
+    return view
 
 
 def _enter_dtensor_views(module: nn.Module, *_: Any) -> None:
@@ -66,8 +123,8 @@ def _enter_dtensor_views(module: nn.Module, *_: Any) -> None:
     if views.depth > 1:
         return
     params = module._parameters
-    for name in views.names:
-        module.__dict__[name] = _dtensor_view(params[name], params[name])
+    for name in views.specs:
+        module.__dict__[name] = _cached_dtensor_view(views, name, params[name])
 
 
 def _exit_dtensor_views(module: nn.Module, *_: Any) -> None:
@@ -80,7 +137,7 @@ def _exit_dtensor_views(module: nn.Module, *_: Any) -> None:
     views.depth -= 1
     if views.depth > 0:
         return
-    for name in views.names:
+    for name in views.specs:
         module.__dict__.pop(name, None)
 
 
@@ -90,11 +147,11 @@ def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
     tensor parallelism alone does, so that checkpoints are the same with or
     without data parallelism.
     """
-    for name in module.__dict__[_VIEWS_ATTR].names:
+    for name, spec in module.__dict__[_VIEWS_ATTR].specs.items():
         key = prefix + name
         value = state_dict.get(key)
         if value is not None and not isinstance(value, DTensor):
-            state_dict[key] = _dtensor_view(value, module._parameters[name])
+            state_dict[key] = _dtensor_view(value, spec)
 
 
 def _dtensor_load_state_dict_pre_hook(module: nn.Module, state_dict, prefix, *_: Any):
@@ -102,18 +159,17 @@ def _dtensor_load_state_dict_pre_hook(module: nn.Module, state_dict, prefix, *_:
     Accept DTensors (what ``state_dict()`` returns) for localized parameters:
     load their local shards, redistributed to the parameter's placements.
     """
-    for name in module.__dict__[_VIEWS_ATTR].names:
+    for name, spec in module.__dict__[_VIEWS_ATTR].specs.items():
         key = prefix + name
         value = state_dict.get(key)
         if isinstance(value, DTensor):
-            spec = module._parameters[name]._st_info  # type: ignore[union-attr]
             if value.placements != spec.placements:
                 value = value.redistribute(spec.mesh, spec.placements)
             state_dict[key] = value.to_local()
 
 
 def _register_dtensor_views(
-    module: nn.Module, names: list[str], *, forward_hooks: bool
+    module: nn.Module, specs: dict[str, DTensorSpec], *, forward_hooks: bool
 ) -> None:
     """
     Record which parameters of ``module`` are localized DTensors and register
@@ -121,9 +177,9 @@ def _register_dtensor_views(
     """
     views = module.__dict__.get(_VIEWS_ATTR)
     if views is not None:
-        views.names.extend(n for n in names if n not in views.names)
+        views.specs.update(specs)
         return
-    module.__dict__[_VIEWS_ATTR] = _DTensorParamViews(list(dict.fromkeys(names)))
+    module.__dict__[_VIEWS_ATTR] = _DTensorParamViews(specs)
     if forward_hooks:
         module.register_forward_pre_hook(_enter_dtensor_views)
         module.register_forward_hook(_exit_dtensor_views, always_call=True)
@@ -200,11 +256,11 @@ def _localize_dtensor(
     for t in localized.values():
         if t.requires_grad:
             t.register_hook(sync_grad_hook)
-    owners: dict[nn.Module, list[str]] = {}
-    for parent_module, module_path, _t in param_list:
-        owners.setdefault(parent_module, []).append(module_path)
-    for owner, names in owners.items():
-        _register_dtensor_views(owner, names, forward_hooks=owner is not module)
+    owners: dict[nn.Module, dict[str, DTensorSpec]] = {}
+    for parent_module, module_path, t in param_list:
+        owners.setdefault(parent_module, {})[module_path] = t._st_info  # type: ignore[attr-defined]
+    for owner, specs in owners.items():
+        _register_dtensor_views(owner, specs, forward_hooks=owner is not module)
 
 
 def _pre_dp_module_transform(module: nn.Module):
