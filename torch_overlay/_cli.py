@@ -46,6 +46,13 @@ def _status() -> int:
 
 def _check() -> int:
     report = status()
+    if report.fork is not None:
+        print(
+            f"torch-overlay: check failed: fork mode is applied ({len(report.fork.patches)} patches in place), so "
+            "the installed files are the patched ones, not the base. Run `torch-overlay revert-patches` first.",
+            file=sys.stderr,
+        )
+        return 1
     if report.ok:
         print("torch-overlay: check passed: the installed torch is the overlay's base")
         return 0
@@ -54,7 +61,7 @@ def _check() -> int:
     return 1
 
 
-def _apply_patches(patches_dir: Path) -> int:
+def _apply_patches(patches_dir: Path | None) -> int:
     state, changed = _fork.apply(patches_dir)
     files = ", ".join(f.path for f in state.files if f.before_sha256 != f.after_sha256)
     if changed:
@@ -65,7 +72,7 @@ def _apply_patches(patches_dir: Path) -> int:
     return 0
 
 
-def _revert_patches(patches_dir: Path) -> int:
+def _revert_patches() -> int:
     state = _fork.revert()
     if state is None:
         print("torch-overlay: fork mode is not applied (nothing changed)")
@@ -75,14 +82,14 @@ def _revert_patches(patches_dir: Path) -> int:
     return 0
 
 
-ACTIONS = {"apply": _apply, "revert": _revert, "status": _status, "check": _check}
-PATCH_ACTIONS = {"apply-patches": _apply_patches, "revert-patches": _revert_patches}
+ACTIONS = {"apply": _apply, "revert": _revert, "status": _status, "check": _check, "revert-patches": _revert_patches}
 
 
-def run(action: str, patches_dir: Path = _fork.DEFAULT_PATCHES_DIR) -> int:
+def run(action: str, patches_dir: Path | None = None) -> int:
+    """Run ``action``; ``patches_dir`` (apply-patches only): None = the checkout's ``patches/``."""
     try:
-        if action in PATCH_ACTIONS:
-            return PATCH_ACTIONS[action](patches_dir)
+        if action == "apply-patches":
+            return _apply_patches(patches_dir)
         return ACTIONS[action]()
     except (BaseMismatchError, _fork.ForkError) as e:
         print(e, file=sys.stderr)
@@ -126,12 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("revert-overlay", help="remove the persistent overlay")
     sub.add_parser("status", help="say what is active")
     sub.add_parser("check", help="verify the base and the hook without changing anything")
-    for name, text in [
-        ("apply-patches", "fork mode: apply the patch series in place to the installed torch"),
-        ("revert-patches", "restore the files fork mode replaced, byte for byte"),
-    ]:
-        command = sub.add_parser(name, help=text)
-        command.add_argument("--patches", type=Path, default=_fork.DEFAULT_PATCHES_DIR, help="patches/ directory")
+    command = sub.add_parser("apply-patches", help="fork mode: apply the patch series in place to the installed torch")
+    command.add_argument(
+        "--patches", type=Path, default=None, help="a patches/ directory (default: the checkout's; needed for a wheel)"
+    )
+    sub.add_parser("revert-patches", help="restore the files fork mode replaced, byte for byte")
     args = parser.parse_args(argv)
     action = {"apply-overlay": "apply", "revert-overlay": "revert"}.get(args.command, args.command)
-    return run(action, getattr(args, "patches", _fork.DEFAULT_PATCHES_DIR))
+    return run(action, getattr(args, "patches", None))

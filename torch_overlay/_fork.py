@@ -5,6 +5,11 @@ no persistent overlay, a writable tree, every patch applies), saves the original
 ``<site-packages>/torch-overlay-fork/``, then replaces each file atomically, so re-applying is a no-op and
 ``revert()`` restores the saved bytes exactly. Only the ``torch/...`` files of the patches are applied; their
 ``test/...`` files belong to a PyTorch checkout.
+
+NOTE: the state is saved before the first file is replaced, so a process killed half-way leaves each file at
+either its ``before_sha256`` or its ``after_sha256``: ``apply()`` of the same series completes such a state,
+``revert()`` restores only the files at ``after_sha256``, and the state directory goes last (renamed away in
+one step), so a revert killed before that is completed by running it again.
 """
 
 from __future__ import annotations
@@ -13,17 +18,18 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torch_overlay._guard import check_base, find_torch_dir
 from torch_overlay._manifest import PACKAGE_DIR, load_manifest
+from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
 from torch_overlay._persistent import installed_hook
 
 STATE_DIR_NAME = "torch-overlay-fork"
 DEFAULT_PATCHES_DIR = PACKAGE_DIR.parent / "patches"
+"""A checkout's ``patches/`` (editable install); a wheel install has none: pass ``--patches DIR``."""
 
 
 class ForkError(RuntimeError):
@@ -58,49 +64,54 @@ def originals_dir(torch_dir: Path) -> Path:
     return state_dir(torch_dir) / "originals"
 
 
+def _reinstall_hint(torch_dir: Path, version: str) -> str:
+    return (
+        f"Reinstall torch with `pip install --force-reinstall --no-deps torch=={version}` and delete "
+        f"{state_dir(torch_dir)}."
+    )
+
+
 def read_state(torch_dir: Path) -> ForkState | None:
     path = state_dir(torch_dir) / "state.json"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
+        files = tuple(ForkFile(**f) for f in raw.pop("files"))
+        return ForkState(**{**raw, "patches": tuple(raw["patches"]), "files": files})
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        raise ForkError(f"torch_overlay: cannot read the fork mode state {path}: {e}") from e
-    files = tuple(ForkFile(**f) for f in raw.pop("files"))
-    return ForkState(**{**raw, "patches": tuple(raw["patches"]), "files": files})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ForkError(
+            f"torch_overlay: the fork mode state {path} is unreadable or damaged ({type(e).__name__}: {e}). "
+            f"Nothing was changed. {_reinstall_hint(torch_dir, load_manifest().version)}"
+        ) from e
 
 
-def series(patches_dir: Path) -> list[Path]:
-    """The patch files in order, as ``patches/series`` lists them."""
-    index = patches_dir / "series"
+def series(patches_dir: Path | None = None) -> list[Path]:
+    """The patch files in order, as ``patches/series`` lists them; None: the checkout's ``patches/``."""
+    if patches_dir is None:
+        patches_dir = DEFAULT_PATCHES_DIR
+        if not patches_dir.is_dir():
+            raise ForkError(
+                f"torch_overlay: no patch series at {patches_dir}: this torch-overlay is not installed from a "
+                "checkout (a wheel carries no patches/). Nothing was changed. Pass a checkout's patches/ "
+                "directory: `torch-overlay apply-patches --patches DIR`."
+            )
     try:
-        names = index.read_text(encoding="utf-8").split()
-    except OSError as e:
-        raise ForkError(f"torch_overlay: no patch series at {index} ({e.strerror}); run `make patches`") from e
-    return [patches_dir / name for name in names]
+        return read_series(patches_dir)
+    except SeriesMissingError as e:
+        raise ForkError(f"torch_overlay: {e}. Nothing was changed.") from e
 
 
 def patched(base: dict[str, bytes], patch_files: list[Path]) -> dict[str, bytes]:
     """The files after ``git apply`` of every patch in order (``torch/...`` paths only); raises naming the patch."""
-    with tempfile.TemporaryDirectory(prefix="torch-overlay-fork-") as tmp:
-        tree = Path(tmp)
-        subprocess.run(["git", "init", "--quiet"], cwd=tree, check=True)
-        for path, content in base.items():
-            (tree / path).parent.mkdir(parents=True, exist_ok=True)
-            (tree / path).write_bytes(content)
-        for patch in patch_files:
-            proc = subprocess.run(
-                ["git", "apply", "--include=torch/*", "--exclude=*", str(patch.resolve())],
-                cwd=tree,
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                raise ForkError(
-                    f"torch_overlay: {patch} does not apply to the installed torch: {proc.stderr.strip()}\n"
-                    "Nothing was changed. Regenerate the series with `make patches` and run `make check`."
-                )
-        return {path: (tree / path).read_bytes() for path in base}
+    try:
+        tree = apply_series(base, patch_files, ["--include=torch/*", "--exclude=*"])
+    except PatchApplyError as e:
+        raise ForkError(
+            f"torch_overlay: {e.patch} does not apply to the installed torch: {e.stderr}\n"
+            "Nothing was changed. Regenerate the series with `make patches` and run `make check`."
+        ) from e
+    return {path: tree[path] for path in base}
 
 
 def _sha(content: bytes) -> str:
@@ -123,16 +134,30 @@ def _write_atomically(target: Path, content: bytes) -> None:
         cached.unlink(missing_ok=True)
 
 
-def _replace_all(torch_dir: Path, files: dict[str, bytes], fallback: dict[str, bytes]) -> None:
-    """Replace every file, or (on any error) put back ``fallback`` for the ones already replaced."""
+class InterruptedForkError(ForkError):
+    """Replacing the files failed half-way and putting the replaced ones back failed too; the state is kept."""
+
+
+def _replace_all(torch_dir: Path, files: dict[str, bytes], fallback: dict[str, bytes], redo: str) -> None:
+    """Replace every file, or (on any error) put back ``fallback`` for the ones already replaced.
+
+    When putting back fails too, raises :class:`InterruptedForkError`, saying to run ``redo`` (which completes
+    or undoes the interrupted step from the kept state).
+    """
     done = []
     try:
         for path, content in files.items():
             _write_atomically(torch_dir.parent / path, content)
             done.append(path)
-    except BaseException:
-        for path in done:
-            _write_atomically(torch_dir.parent / path, fallback[path])
+    except BaseException as error:
+        try:
+            for path in done:
+                _write_atomically(torch_dir.parent / path, fallback[path])
+        except BaseException as e:
+            raise InterruptedForkError(
+                f"torch_overlay: fork mode was interrupted while replacing {torch_dir.parent / path} ({e}); "
+                f"some files are patched, some are not. Run `{redo}` to finish."
+            ) from error
         raise
 
 
@@ -145,8 +170,11 @@ def _refuse_unwritable(dirs: list[Path]) -> None:
             )
 
 
-def apply(patches_dir: Path = DEFAULT_PATCHES_DIR, torch_dir: Path | None = None) -> tuple[ForkState, bool]:
-    """Apply the series in place; returns (state, whether anything changed). All or nothing."""
+def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tuple[ForkState, bool]:
+    """Apply the series in place; returns (state, whether anything changed). All or nothing.
+
+    ``patches_dir``: a ``patches/`` directory; None = the checkout's (:data:`DEFAULT_PATCHES_DIR`).
+    """
     torch_dir = torch_dir or find_torch_dir()
     manifest = load_manifest()
     patch_files = series(patches_dir)
@@ -158,8 +186,7 @@ def apply(patches_dir: Path = DEFAULT_PATCHES_DIR, torch_dir: Path | None = None
                 f"torch_overlay: fork mode is already applied to {torch_dir} with another version of the series. "
                 "Nothing was changed. Run `torch-overlay revert-patches` first, then apply again."
             )
-        _require_unchanged(torch_dir, state)
-        return state, False
+        return state, _complete(torch_dir, state, patch_files)
     hook = installed_hook()
     if hook is not None:
         raise ForkError(
@@ -188,16 +215,41 @@ def apply(patches_dir: Path = DEFAULT_PATCHES_DIR, torch_dir: Path | None = None
     )
     _save_originals(torch_dir, base, state)
     try:
-        _replace_all(torch_dir, changed, base)
+        _replace_all(torch_dir, changed, base, redo="torch-overlay apply-patches")
+    except InterruptedForkError:
+        raise
     except BaseException:
         shutil.rmtree(state_dir(torch_dir), ignore_errors=True)
         raise
     return state, True
 
 
+def _complete(torch_dir: Path, state: ForkState, patch_files: list[Path]) -> bool:
+    """Finish an apply that was interrupted (files still at ``before_sha256``); False when none is left."""
+    current = _current(torch_dir, state)
+    pending = [f for f in state.files if _sha(current[f.path]) != f.after_sha256]
+    if not pending:
+        return False
+    after = patched(_saved_originals(torch_dir, state, state.files), patch_files)
+    for f in pending:
+        if _sha(after[f.path]) != f.after_sha256:
+            raise ForkError(
+                f"torch_overlay: the series does not rebuild the patched {f.path} recorded in "
+                f"{state_dir(torch_dir) / 'state.json'}. Nothing was changed. Run `torch-overlay revert-patches`."
+            )
+    _replace_all(torch_dir, {f.path: after[f.path] for f in pending}, current, redo="torch-overlay apply-patches")
+    return True
+
+
 def _save_originals(torch_dir: Path, base: dict[str, bytes], state: ForkState) -> None:
     directory = state_dir(torch_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{STATE_DIR_NAME}-", dir=directory.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{STATE_DIR_NAME}-", dir=directory.parent))
+    except OSError as e:
+        raise ForkError(
+            f"torch_overlay: refusing fork mode: cannot write in {directory.parent} ({e.strerror}). Nothing was "
+            "changed. Use a virtual environment you own, or the overlay instead (`python -m torch_overlay.activate`)."
+        ) from e
     try:
         tmp.chmod(0o755)
         for path, content in base.items():
@@ -205,40 +257,77 @@ def _save_originals(torch_dir: Path, base: dict[str, bytes], state: ForkState) -
             (tmp / "originals" / path).write_bytes(content)
         (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, directory)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ForkError(
+            f"torch_overlay: refusing fork mode: cannot save the originals in {directory} ({e}). Nothing was "
+            "changed. Use a virtual environment you own, or the overlay instead."
+        ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _require_unchanged(torch_dir: Path, state: ForkState) -> None:
+def _current(torch_dir: Path, state: ForkState) -> dict[str, bytes]:
+    """Each file's bytes; raises when one is at neither its original nor its patched sha256."""
+    current = {}
     for f in state.files:
         target = torch_dir.parent / f.path
-        found = _sha(target.read_bytes()) if target.is_file() else None
-        if found != f.after_sha256:
+        content = target.read_bytes() if target.is_file() else None
+        found = None if content is None else _sha(content)
+        if content is None or found not in (f.before_sha256, f.after_sha256):
             raise ForkError(
-                f"torch_overlay: {target} changed since fork mode was applied (sha256 {found}, expected "
-                f"{f.after_sha256}). Nothing was changed. Reinstall torch with `pip install --force-reinstall "
-                f"--no-deps torch=={state.base_version}` and delete {state_dir(torch_dir)}."
+                f"torch_overlay: {target} changed since fork mode was applied (sha256 {found}; expected the "
+                f"patched {f.after_sha256} or the original {f.before_sha256}). Nothing was changed. "
+                + _reinstall_hint(torch_dir, state.base_version)
             )
+        current[f.path] = content
+    return current
+
+
+def _saved_originals(torch_dir: Path, state: ForkState, files: tuple[ForkFile, ...]) -> dict[str, bytes]:
+    originals = {}
+    for f in files:
+        saved = originals_dir(torch_dir) / f.path
+        try:
+            content = saved.read_bytes()
+        except OSError as e:
+            raise ForkError(
+                f"torch_overlay: the saved original {saved} is missing or unreadable ({e.strerror}). Nothing was "
+                f"changed. {_reinstall_hint(torch_dir, state.base_version)}"
+            ) from e
+        if _sha(content) != f.before_sha256:
+            raise ForkError(
+                f"torch_overlay: the saved original {saved} is damaged (not sha256 {f.before_sha256}). Nothing "
+                f"was changed. {_reinstall_hint(torch_dir, state.base_version)}"
+            )
+        originals[f.path] = content
+    return originals
+
+
+def _remove_state(torch_dir: Path) -> None:
+    """Remove the state directory in one step (a rename), so that no half-removed state is ever read."""
+    directory = state_dir(torch_dir)
+    trash = Path(tempfile.mkdtemp(prefix=f".{STATE_DIR_NAME}-removed-", dir=directory.parent))
+    os.replace(directory, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def revert(torch_dir: Path | None = None) -> ForkState | None:
-    """Restore every file fork mode replaced, byte for byte; returns the reverted state, None if none."""
+    """Restore every file fork mode replaced, byte for byte; returns the reverted state, None if none.
+
+    Each file may be at its patched or its original bytes (an interrupted apply or revert): only the patched
+    ones are restored.
+    """
     torch_dir = torch_dir or find_torch_dir()
     state = read_state(torch_dir)
     if state is None:
         return None
-    _require_unchanged(torch_dir, state)
-    originals = {}
-    for f in state.files:
-        content = (originals_dir(torch_dir) / f.path).read_bytes()
-        if _sha(content) != f.before_sha256:
-            raise ForkError(f"torch_overlay: the saved original of {f.path} is damaged; nothing was changed.")
-        originals[f.path] = content
-    current = {f.path: (torch_dir.parent / f.path).read_bytes() for f in state.files}
-    changed = {p: c for p, c in originals.items() if c != current[p]}
-    _replace_all(torch_dir, changed, current)
-    shutil.rmtree(state_dir(torch_dir))
+    current = _current(torch_dir, state)
+    patched_files = tuple(f for f in state.files if _sha(current[f.path]) != f.before_sha256)
+    originals = _saved_originals(torch_dir, state, patched_files)
+    _replace_all(torch_dir, originals, current, redo="torch-overlay revert-patches")
+    _remove_state(torch_dir)
     return state
 
 

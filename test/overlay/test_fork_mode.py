@@ -108,6 +108,12 @@ torch-overlay: fork mode already applied (1 patches; nothing changed)
 """,
         )
         self.assertIn("fork mode:     applied (1 patches in place)", self.cli("status"))
+        self.assertExpectedInline(
+            self.cli("check"),
+            """\
+torch-overlay: check failed: fork mode is applied (1 patches in place), so the installed files are the patched ones, not the base. Run `torch-overlay revert-patches` first.
+""",  # noqa: E501
+        )
         refused = self.run_scratch("-c", "import torch_overlay._loader as l; l.activate()")
         self.assertIn("refusing to activate the overlay: fork mode is active", refused.stderr)
         self.assertIn("refusing to install the persistent overlay: fork mode is active", self.cli("apply-overlay"))
@@ -157,6 +163,126 @@ torch-overlay: fork mode reverted: 1 files restored to torch 2.13.0
         with self.assertRaises(_fork.ForkError) as e:
             _fork.apply(broken, self.torch_dir)
         self.assertIn("0001-warning.patch does not apply to the installed torch", str(e.exception))
+        self.assertEqual(_hashes(self.torch_dir), self.pristine)
+
+
+class _Killed(Exception):
+    """Stands for a kill: raised by every os.replace after the allowed ones, so no roll-back can run."""
+
+
+class TestForkInterrupted(expecttest.TestCase):
+    """Fork mode killed half-way, in process, on a scratch tree holding only version.py and the manifest's files.
+
+    The series changes the first two files, so a kill can fall between them.
+    """
+
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="torch-overlay-fork-kill-")
+        tmp = Path(self._tmp.name)
+        self.torch_dir = tmp / "site" / "torch"
+        self.torch_dir.mkdir(parents=True)
+        shutil.copy2(find_torch_dir() / "version.py", self.torch_dir / "version.py")
+        project = Project(tmp / "project")
+        (project.root / "torch_overlay").mkdir(parents=True)
+        shutil.copy2(MANIFEST_PATH, project.manifest_path)
+        base = pristine_base(project.manifest())
+        self.changed = [m.path for m in load_manifest().modules][:2]
+        for path, content in base.items():
+            (self.torch_dir.parent / path).parent.mkdir(parents=True, exist_ok=True)
+            (self.torch_dir.parent / path).write_bytes(content)
+            if path in self.changed:
+                content += b"# fork-kill-test\n"
+            project.overlay_file(path).parent.mkdir(parents=True, exist_ok=True)
+            project.overlay_file(path).write_bytes(content)
+        project.patches_dir.mkdir()
+        claims = ", ".join(f'{{ file = "{p}", match = "fork-kill-test" }}' for p in self.changed)
+        project.series_toml.write_text(
+            f'[[patch]]\nname = "two"\ntitle = "Two files"\nsummary = "s"\ntest_plan = "t"\nclaims = [{claims}]\n'
+        )
+        write(project, generate(project, base))
+        self.patches_dir = project.patches_dir
+        self.pristine = _hashes(self.torch_dir)
+        hook = mock.patch.object(_fork, "installed_hook", return_value=None)
+        hook.start()
+        self.addCleanup(hook.stop)
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def killed_after(self, allowed: int) -> mock._patch:
+        real, calls = os.replace, []
+
+        def replace(src: object, dst: object) -> None:
+            calls.append(dst)
+            if len(calls) > allowed:
+                raise _Killed(f"killed at os.replace #{len(calls)}")
+            real(src, dst)
+
+        return mock.patch.object(_fork.os, "replace", replace)
+
+    def at(self) -> list[str]:
+        """Which of the two changed files are patched."""
+        now = _hashes(self.torch_dir)
+        return [("patched" if now[p] != self.pristine[p] else "original") for p in self.changed]
+
+    def test_interrupted_apply_completes_and_revert_restores(self) -> None:
+        # os.replace #1 saves the state, #2 replaces the first file, #3 would replace the second.
+        with self.killed_after(2), self.assertRaises(_fork.InterruptedForkError) as e:
+            _fork.apply(self.patches_dir, self.torch_dir)
+        self.assertIn("Run `torch-overlay apply-patches` to finish", str(e.exception))
+        self.assertEqual(self.at(), ["patched", "original"])
+        self.assertIsNotNone(_fork.read_state(self.torch_dir))
+        state, changed = _fork.apply(self.patches_dir, self.torch_dir)
+        self.assertTrue(changed)
+        self.assertEqual(self.at(), ["patched", "patched"])
+        self.assertFalse(_fork.apply(self.patches_dir, self.torch_dir)[1])
+
+        with self.killed_after(1), self.assertRaises(_fork.InterruptedForkError) as e:
+            _fork.revert(self.torch_dir)
+        self.assertIn("Run `torch-overlay revert-patches` to finish", str(e.exception))
+        self.assertEqual(self.at(), ["original", "patched"])
+        self.assertEqual(_fork.revert(self.torch_dir), state)
+        self.assertEqual(_hashes(self.torch_dir), self.pristine)
+        self.assertFalse(_fork.state_dir(self.torch_dir).exists())
+
+    def test_revert_killed_before_removing_the_state(self) -> None:
+        _fork.apply(self.patches_dir, self.torch_dir)
+        with self.killed_after(2), self.assertRaises(_Killed):
+            _fork.revert(self.torch_dir)
+        self.assertEqual(self.at(), ["original", "original"])
+        self.assertIsNotNone(_fork.read_state(self.torch_dir))
+        self.assertIsNotNone(_fork.revert(self.torch_dir))
+        self.assertEqual(_hashes(self.torch_dir), self.pristine)
+        self.assertIsNone(_fork.read_state(self.torch_dir))
+
+    def test_damaged_state_and_missing_original_name_the_file(self) -> None:
+        _fork.apply(self.patches_dir, self.torch_dir)
+        saved = _fork.originals_dir(self.torch_dir) / self.changed[0]
+        content = saved.read_bytes()
+        saved.unlink()
+        with self.assertRaises(_fork.ForkError) as e:
+            _fork.revert(self.torch_dir)
+        self.assertIn(f"the saved original {saved} is missing or unreadable", str(e.exception))
+        self.assertIn("pip install --force-reinstall --no-deps torch==2.13.0", str(e.exception))
+        self.assertEqual(self.at(), ["patched", "patched"])
+        saved.write_bytes(content)
+        state_file = _fork.state_dir(self.torch_dir) / "state.json"
+        good = state_file.read_text()
+        state_file.write_text('{"mode": "fork", "files": [{"path": "x"}]}')
+        with self.assertRaises(_fork.ForkError) as e:
+            _fork.revert(self.torch_dir)
+        self.assertIn(f"the fork mode state {state_file} is unreadable or damaged", str(e.exception))
+        state_file.write_text(good)
+        _fork.revert(self.torch_dir)
+        self.assertEqual(_hashes(self.torch_dir), self.pristine)
+
+    def test_no_default_patches_in_a_wheel_install(self) -> None:
+        with mock.patch.object(_fork, "DEFAULT_PATCHES_DIR", self.torch_dir / "nope"):
+            with self.assertRaises(_fork.ForkError) as e:
+                _fork.apply(None, self.torch_dir)
+        self.assertIn(
+            "Pass a checkout's patches/ directory: `torch-overlay apply-patches --patches DIR`", str(e.exception)
+        )
         self.assertEqual(_hashes(self.torch_dir), self.pristine)
 
 
