@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 from tools.project import default_project
+from torch_overlay._git import git_env
+from torch_overlay._git import run as _git_run
+from torch_overlay._patchset import SeriesMissingError, read_series
 
 DEFAULT_BRANCH = "torch-overlay"
 
@@ -24,14 +27,18 @@ class ExportError(RuntimeError):
 
 
 def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    """git in the user's PyTorch checkout: their config (identity) applies, inherited GIT_* variables do not."""
+    proc = _git_run(cwd, *args, user_config=True)
+    return subprocess.CompletedProcess(
+        proc.args, proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+    )
 
 
 def series_patches(patches_dir: Path) -> list[Path]:
-    index = patches_dir / "series"
-    if not index.is_file():
-        raise ExportError(f"{index}: missing; run `make patches`")
-    return [patches_dir / name for name in index.read_text(encoding="utf-8").split()]
+    try:
+        return read_series(patches_dir)
+    except SeriesMissingError as e:
+        raise ExportError(str(e)) from e
 
 
 def export_stack(pytorch_dir: Path, patches_dir: Path, branch: str = DEFAULT_BRANCH) -> list[str]:
@@ -41,7 +48,9 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, branch: str = DEFAULT_BRA
         raise ExportError(f"{pytorch_dir}: not a git checkout of PyTorch (PYTORCH_DIR=...)")
     if _git(pytorch_dir, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise ExportError(f"{pytorch_dir}: has uncommitted changes; commit or stash them first")
-    previous = _git(pytorch_dir, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip()
+    # NOTE: a detached HEAD (the series' base commit) has no branch to go back to: restore the commit.
+    head = _git(pytorch_dir, "rev-parse", "HEAD").stdout.strip()
+    symbolic = _git(pytorch_dir, "symbolic-ref", "--quiet", "--short", "HEAD").stdout.strip()
     made = _git(pytorch_dir, "checkout", "--quiet", "-b", branch)
     if made.returncode != 0:
         raise ExportError(f"{pytorch_dir}: cannot create branch {branch!r}: {made.stderr.strip()} (use --branch)")
@@ -50,12 +59,21 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, branch: str = DEFAULT_BRA
         applied = _git(pytorch_dir, "am", "--quiet", "--keep-cr", "--keep-non-patch", str(patch.resolve()))
         if applied.returncode != 0:
             _git(pytorch_dir, "am", "--abort")
-            _git(pytorch_dir, "checkout", "--quiet", previous)
-            _git(pytorch_dir, "branch", "-D", branch)
+            back = ["checkout", "--quiet", symbolic] if symbolic else ["checkout", "--quiet", "--detach", head]
+            restored = _git(pytorch_dir, *back)
+            deleted = _git(pytorch_dir, "branch", "-D", branch) if restored.returncode == 0 else restored
+            where = f"{symbolic or 'detached HEAD'} at {head[:12]}"
+            if restored.returncode != 0 or deleted.returncode != 0:
+                left = (
+                    f"Could not restore the checkout ({(restored.stderr or deleted.stderr).strip()}): run "
+                    f"`git checkout {symbolic or '--detach ' + head} && git branch -D {branch}` there."
+                )
+            else:
+                left = f"The checkout was left as it was ({where})."
             raise ExportError(
-                f"{patch.name} does not apply to {pytorch_dir} at {previous}: {applied.stderr.strip()}\n"
-                "The checkout was left as it was. Check out the series' base (torch/version.py git_version of "
-                "the base wheel) or rebase the overlay (README, 'Rebase onto a newer torch')."
+                f"{patch.name} does not apply to {pytorch_dir} at {where}: {applied.stderr.strip()}\n{left} "
+                "Check out the series' base (torch/version.py git_version of the base wheel) or rebase the "
+                "overlay (README, 'Rebase onto a newer torch')."
             )
     log = _git(pytorch_dir, "rev-list", "--reverse", f"-{len(patches)}", "HEAD").stdout.split()
     return log
@@ -77,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_submit:
         return 0
     return subprocess.run(
-        [sys.executable, "-m", "ghstack", "submit", *args.ghstack_args], cwd=args.pytorch_dir
+        [sys.executable, "-m", "ghstack", "submit", *args.ghstack_args],
+        cwd=args.pytorch_dir,
+        env=git_env(user_config=True),
     ).returncode
 
 

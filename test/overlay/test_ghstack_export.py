@@ -98,6 +98,24 @@ Fixes #12345""",
         branches = subprocess.run(["git", "branch"], cwd=checkout, capture_output=True, text=True).stdout
         self.assertNotIn("torch-overlay", branches)
 
+    def test_failed_export_restores_a_detached_head(self) -> None:
+        checkout = Path(self._tmp.name) / "checkout"
+        subprocess.run(["git", "init", "-q", "-b", "main", str(checkout)], check=True)
+        env = ["-c", "user.name=A", "-c", "user.email=a@b"]
+        for text in ["one\n", "two\n"]:
+            (checkout / "README").write_text(text)
+            subprocess.run(["git", "add", "."], cwd=checkout, check=True)
+            subprocess.run(["git", *env, "commit", "-q", "-m", text], cwd=checkout, check=True)
+        subprocess.run(["git", "checkout", "-q", "--detach", "HEAD~1"], cwd=checkout, check=True)
+        base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout
+        with self.assertRaises(ExportError) as e:
+            export_stack(checkout, self.project.patches_dir)
+        self.assertIn(f"The checkout was left as it was (detached HEAD at {base[:12]})", str(e.exception))
+        git = ["git", "-C", str(checkout)]
+        self.assertEqual(subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout, base)
+        self.assertEqual(subprocess.run([*git, "branch", "--show-current"], capture_output=True, text=True).stdout, "")
+        self.assertNotIn("torch-overlay", subprocess.run([*git, "branch"], capture_output=True, text=True).stdout)
+
 
 if __name__ == "__main__":
     unittest.main()
