@@ -72,6 +72,10 @@ class OverlayFinder:
     def find_spec(
         self, fullname: str, path: object = None, target: types.ModuleType | None = None
     ) -> ModuleSpec | None:
+        if fullname == "torch._dynamo.trace_rules" and self.verify() is None:
+            from torch_overlay._dynamo_rules import registering_spec
+
+            return registering_spec(fullname, path)
         overlay_file = self._files.get(fullname)
         if overlay_file is None or self.verify() is not None:
             return None

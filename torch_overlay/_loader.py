@@ -27,7 +27,8 @@ from enum import Enum
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
-from torch_overlay import _fork
+from torch_overlay import _dynamo_rules, _fork
+from torch_overlay._dynamo_rules import TRACE_RULES
 from torch_overlay._finder import OverlayFinder, installed_finder, overlay_spec
 from torch_overlay._guard import BaseMismatchError, check_base, require_base
 from torch_overlay._manifest import Manifest, OverlayModule, load_manifest
@@ -104,6 +105,8 @@ def activate(*, guard_on_first_use: bool = False) -> None:
             sys.meta_path.remove(finder)
             raise
         _originals.update({name: current for name, current, _ in done})
+        if TRACE_RULES in sys.modules:  # else registered when torch.compile first imports it
+            _dynamo_rules.register(sys.modules[TRACE_RULES])
 
 
 def deactivate() -> None:
@@ -130,6 +133,8 @@ def deactivate() -> None:
             raise
         sys.meta_path.remove(finder)
         _originals.clear()
+        if TRACE_RULES in sys.modules:
+            _dynamo_rules.unregister(sys.modules[TRACE_RULES])
 
 
 def stand_down_reason() -> str | None:

@@ -183,6 +183,35 @@ class ActivationTest(unittest.TestCase):
         self.assertIn("the base check failed: PermissionError('unreadable torch file')", report["warnings"][0])
         self.assertIn("stood down in this process: the base check failed", report["activate_raised"])
 
+    def test_torch_compile_treats_overlay_files_as_the_upstream_ones(self):
+        report = run_scenario(
+            """
+            from torch_overlay._dynamo_rules import _upstream_and_overlay_paths
+            import torch
+
+            def same_rules(trace_rules):
+                return all(
+                    trace_rules.check_file(up, inlined).skipped == trace_rules.check_file(ours, inlined).skipped
+                    for up, ours in _upstream_and_overlay_paths()
+                    for inlined in (False, True)
+                )
+
+            def registered(trace_rules):
+                ours = {o for _, o in _upstream_and_overlay_paths()}
+                return any(ours & s for s in (trace_rules.get_mod_skiplist(), trace_rules.get_mod_inlinelist()))
+
+            torch_overlay.activate()
+            import torch._dynamo.trace_rules as trace_rules  # imported while active
+            report = {"imported_after": same_rules(trace_rules)}
+            torch_overlay.deactivate()
+            report["unregistered"] = not registered(trace_rules)
+            torch_overlay.activate()  # trace_rules imported before activation
+            report["imported_before"] = same_rules(trace_rules) and registered(trace_rules)
+            print(json.dumps(report))
+            """
+        )
+        self.assertEqual(report, {"imported_after": True, "unregistered": True, "imported_before": True})
+
     def test_env_kill_switch_wins_over_activate(self):
         result = run(
             [
