@@ -4,11 +4,15 @@ Nothing upstream is committed to this repo. The base is read from a torch wheel 
 laid out like site-packages (``<dir>/torch/...``), or from the installed torch; when fork mode has patched
 the installed torch, from the originals fork mode saved. Whatever the source, every file is verified
 against the manifest's ``base_sha256`` before it is used.
+
+When the installed torch is not the base, a local wheel cache serves as a fallback if the environment names
+one: ``TORCH_OVERLAY_WHEEL_CACHE=DIR`` (a directory holding ``torch-<version>+...whl``; unset by default).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import zipfile
 from pathlib import Path
 
@@ -16,22 +20,21 @@ from torch_overlay import _fork
 from torch_overlay._guard import find_torch_dir
 from torch_overlay._manifest import Manifest
 
-WHEEL_CACHE = Path("/opt/wheels")
+WHEEL_CACHE_ENV = "TORCH_OVERLAY_WHEEL_CACHE"
 
 
 class BaseSourceError(RuntimeError):
     """The pristine base cannot be read, or a file is not the one recorded in the manifest."""
 
 
-def read_files(manifest: Manifest, source: Path) -> dict[str, bytes]:
-    """The manifest's files from a wheel or a site-packages-like directory, unverified."""
-    paths = [m.path for m in manifest.modules]
+def read_paths(source: Path, paths: list[str]) -> dict[str, bytes]:
+    """Files by site-packages path (``torch/...``) from a wheel or a site-packages-like directory."""
     if source.is_file():
         try:
             with zipfile.ZipFile(source) as wheel:
                 return {p: wheel.read(p) for p in paths}
         except (zipfile.BadZipFile, KeyError) as e:
-            raise BaseSourceError(f"{source}: not a torch wheel holding the overlay's files ({e})") from e
+            raise BaseSourceError(f"{source}: not a torch wheel holding {', '.join(paths)} ({e})") from e
     files = {}
     for p in paths:
         try:
@@ -39,6 +42,11 @@ def read_files(manifest: Manifest, source: Path) -> dict[str, bytes]:
         except OSError as e:
             raise BaseSourceError(f"{source}: cannot read {p} ({e.strerror})") from e
     return files
+
+
+def read_files(manifest: Manifest, source: Path) -> dict[str, bytes]:
+    """The manifest's files from a wheel or a site-packages-like directory, unverified."""
+    return read_paths(source, [m.path for m in manifest.modules])
 
 
 def verify(manifest: Manifest, files: dict[str, bytes], source: object) -> dict[str, bytes]:
@@ -57,15 +65,18 @@ def verify(manifest: Manifest, files: dict[str, bytes], source: object) -> dict[
 
 
 def cached_wheel(manifest: Manifest) -> Path | None:
-    """A wheel of the base version in the local wheel cache, if there is one."""
-    return next(iter(sorted(WHEEL_CACHE.glob(f"{manifest.package}-{manifest.version}[-+]*.whl"))), None)
+    """A wheel of the base version in the wheel cache named by ``$TORCH_OVERLAY_WHEEL_CACHE``, if any."""
+    cache = os.environ.get(WHEEL_CACHE_ENV)
+    if not cache:
+        return None
+    return next(iter(sorted(Path(cache).glob(f"{manifest.package}-{manifest.version}[-+]*.whl"))), None)
 
 
 def pristine_base(manifest: Manifest, source: Path | None = None) -> dict[str, bytes]:
     """The verified base files, by manifest path. ``source``: a wheel or a directory; None = installed torch.
 
     The installed torch serves when it is the base; in fork mode its saved originals do; otherwise the
-    base version's wheel from the local wheel cache, if any.
+    base version's wheel from ``$TORCH_OVERLAY_WHEEL_CACHE``, if set.
     """
     if source is not None:
         return verify(manifest, read_files(manifest, source), source)
