@@ -2,9 +2,15 @@
 
 For each manifest file, ``git merge-file`` merges ours (the overlay) with theirs (the new upstream file) over
 the pristine base. Each file is reported clean or conflicted. Only when every file is clean, a new project is
-written to ``--out`` (never in place, so nothing is half-rebased): the merged overlay files, a manifest for
-the new base (version and sha256), series.toml and the tests, and a regenerated ``patches/`` when the
-series' claims still split the merged changes. Review it, then copy it over this repo.
+written to ``--out`` (never in place, so nothing is half-rebased): every file git tracks in this project,
+with the merged overlay files, a manifest for the new base (version and sha256) and a regenerated
+``patches/`` when the series' claims still split the merged changes. Review it, run its ``make check`` and
+``make test``, then copy it over this repo.
+
+``--out`` must not be the project, contain it, or lie inside it other than in a git-ignored directory (such
+as ``build/``); an existing ``--out`` is replaced only when it is empty or a previous rebase's output (it
+holds the marker file ``.torch-overlay-rebase``). The project is written to a temporary sibling first and
+renamed into place.
 
     python -m tools.rebase --upstream NEW_TORCH_WHEEL_OR_SITE_PACKAGES_DIR --out build/rebase [--version X.Y.Z]
 """
@@ -14,19 +20,25 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.patches import PatchError, generate, write
-from tools.pristine import BaseSourceError, pristine_base, read_files
+from tools.pristine import BaseSourceError, pristine_base, read_files, read_paths
 from tools.project import Project, default_project
-from tools.series import load_series
-from torch_overlay._guard import _VERSION_RE, public_version
+from torch_overlay import _git
+from torch_overlay._guard import public_version, read_torch_version
+
+MARKER = ".torch-overlay-rebase"
+"""Written at the top of every rebase output: only such a directory (or an empty one) is ever replaced."""
+
+
+class RebaseError(RuntimeError):
+    """The rebased project cannot be written where asked; nothing was written or removed."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,7 @@ def merge(base: dict[str, bytes], ours: dict[str, bytes], theirs: dict[str, byte
                 f.write_bytes(content[path])
                 files.append(str(f))
             labels = ["-L", f"overlay/{path}", "-L", f"base/{path}", "-L", f"upstream/{path}"]
-            proc = subprocess.run(["git", "merge-file", "-p", *labels, *files], capture_output=True)
+            proc = _git.run(Path(tmp), "merge-file", "-p", *labels, *files)
             if proc.returncode < 0 or proc.returncode > 127:
                 raise RuntimeError(f"git merge-file failed on {path}: {proc.stderr.decode()}")
             results.append(MergeResult(path, proc.returncode, proc.stdout))
@@ -55,48 +67,90 @@ def merge(base: dict[str, bytes], ours: dict[str, bytes], theirs: dict[str, byte
 
 
 def upstream_version(source: Path) -> str | None:
+    """The public version in ``torch/version.py`` of a wheel or a site-packages-like directory, or None."""
+    if source.is_dir():
+        version = read_torch_version(source / "torch")
+    else:
+        try:
+            text = read_paths(source, ["torch/version.py"])["torch/version.py"]
+        except BaseSourceError:
+            return None
+        with tempfile.TemporaryDirectory(prefix="torch-overlay-version-") as tmp:
+            (Path(tmp) / "version.py").write_bytes(text)
+            version = read_torch_version(Path(tmp))
+    return public_version(version) if version else None
+
+
+def check_out(project: Project, out: Path) -> None:
+    """Refuse an ``out`` whose replacement could destroy anything but a previous rebase output."""
+    root, target = project.root.resolve(), out.resolve()
+    if target == root or target in root.parents:
+        raise RebaseError(f"--out {out} is the project {root} or contains it; pass a directory outside it")
+    if root in target.parents and _git.run(root, "check-ignore", "--quiet", str(target)).returncode != 0:
+        raise RebaseError(
+            f"--out {out} is inside the project {root} and not git-ignored; pass a directory outside it or under "
+            "an ignored one such as build/"
+        )
+    if target.exists() and not (target.is_dir() and (not any(target.iterdir()) or (target / MARKER).is_file())):
+        raise RebaseError(
+            f"--out {out} exists and is not a previous rebase output (no {MARKER} in it); nothing was written. "
+            "Remove it yourself or pass another --out."
+        )
+
+
+def tracked_files(project: Project) -> list[str]:
+    """The project's files as git tracks them (their working-tree content is what gets copied)."""
     try:
-        if source.is_file():
-            with zipfile.ZipFile(source) as wheel:
-                text = wheel.read("torch/version.py").decode("utf-8")
-        else:
-            text = (source / "torch" / "version.py").read_text(encoding="utf-8")
-    except (OSError, KeyError, zipfile.BadZipFile):
-        return None
-    match = _VERSION_RE.search(text)
-    return public_version(match.group(1)) if match else None
+        listing = _git.git(project.root, "ls-files", "-z")
+    except _git.GitError as e:
+        raise RebaseError(f"{project.root}: cannot list the tracked files (is it a git checkout?): {e}") from e
+    return [p for p in listing.split("\0") if p and (project.root / p).is_file()]
 
 
 def write_rebased(
     project: Project, out: Path, results: list[MergeResult], theirs: dict[str, bytes], version: str
 ) -> str:
-    """Write the rebased project to ``out``; returns what happened to patches/."""
-    if out.exists():
-        shutil.rmtree(out)
-    rebased = Project(out)
-    manifest = json.loads(project.manifest_path.read_text(encoding="utf-8"))
-    manifest["base"]["version"] = version
-    for module in manifest["modules"]:
-        module["base_sha256"] = hashlib.sha256(theirs[module["path"]]).hexdigest()
-    rebased.manifest_path.parent.mkdir(parents=True)
-    rebased.manifest_path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    for r in results:
-        rebased.overlay_file(r.path).parent.mkdir(parents=True, exist_ok=True)
-        rebased.overlay_file(r.path).write_bytes(r.merged)
-    rebased.patches_dir.mkdir()
-    shutil.copy2(project.series_toml, rebased.series_toml)
-    for patch in load_series(project.series_toml):
-        for path in [
-            *patch.tests,
-            *(str(project.upstream_edit_file(p).relative_to(project.root)) for p in patch.upstream_test_edits),
-        ]:
-            (out / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(project.root / path, out / path)
+    """Write the rebased project to ``out``; returns what happened to patches/. Raises RebaseError, writing nothing."""
+    check_out(project, out)
+    files = tracked_files(project)
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.rebase-", dir=out.resolve().parent))
     try:
-        names = write(rebased, generate(rebased, theirs))
-    except PatchError as e:
-        return f"patches/ NOT regenerated, fix series.toml claims first:\n{e}"
-    return f"patches/ regenerated: {', '.join(names)}"
+        for path in files:
+            (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(project.root / path, tmp / path, follow_symlinks=False)
+        (tmp / MARKER).write_text(f"written by python -m tools.rebase from {project.root}\n", encoding="utf-8")
+        rebased = Project(tmp)
+        manifest = json.loads(project.manifest_path.read_text(encoding="utf-8"))
+        manifest["base"]["version"] = version
+        for module in manifest["modules"]:
+            module["base_sha256"] = hashlib.sha256(theirs[module["path"]]).hexdigest()
+        rebased.manifest_path.parent.mkdir(parents=True, exist_ok=True)
+        rebased.manifest_path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        for r in results:
+            rebased.overlay_file(r.path).parent.mkdir(parents=True, exist_ok=True)
+            rebased.overlay_file(r.path).write_bytes(r.merged)
+        try:
+            names = write(rebased, generate(rebased, theirs))
+            outcome = f"patches/ regenerated: {', '.join(names)}"
+        except PatchError as e:
+            outcome = f"patches/ NOT regenerated, fix series.toml claims first:\n{e}"
+        _swap_into_place(tmp, out.resolve())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return outcome
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` to ``target``; a previous output there (checked by :func:`check_out`) goes away after."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(r.conflicts for r in results):
         print(f"rebase: conflicts; nothing written. Resolve them by hand on torch {version}.", file=sys.stderr)
         return 1
+    try:
+        outcome = write_rebased(project, args.out, results, theirs, version)
+    except RebaseError as e:
+        print(f"rebase: {e}", file=sys.stderr)
+        return 1
     print(f"rebase: torch {manifest.version} -> {version}, all files clean; written to {args.out}")
-    print(write_rebased(project, args.out, results, theirs, version))
+    print(outcome)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import subprocess
 import tempfile
 import unittest
 from pathlib import Path
@@ -21,6 +22,11 @@ class TestRebase(expecttest.TestCase):
         self._tmp = tempfile.TemporaryDirectory()
         self.tmp = Path(self._tmp.name)
         self.project, self.base_dir = make_project(self.tmp)
+        root = self.project.root
+        (root / "Makefile").write_text("check:\n\ttrue\n")
+        (root / ".gitignore").write_text("build/\n")
+        subprocess.run(["git", "init", "-q", str(root)], check=True)
+        subprocess.run(["git", "-C", str(root), "add", "."], check=True)
 
     def tearDown(self) -> None:
         self._tmp.cleanup()
@@ -58,6 +64,27 @@ patches/ regenerated: 0001-fix-alpha.patch, 0002-extend.patch, series
         self.assertIn("line 3 fixed\n", merged)
         self.assertEqual(rebased.manifest().version, "10.0.0")
         self.assertEqual(check(rebased, upstream), [], "the rebased project is in sync against the new base")
+        # The whole tracked tree travels, so the output can run its own `make check` and `make test`.
+        for path in ["Makefile", ".gitignore", "test/fake/test_upstream.py", "test/upstream_edits"]:
+            self.assertTrue((out / path).exists(), path)
+        self.assertTrue((out / rebase.MARKER).is_file())
+        self.assertIn("exit 0", self.run_rebase(upstream, out), "a previous rebase output is replaced")
+        inside = self.project.root / "build" / "rebase"
+        self.assertIn("exit 0", self.run_rebase(upstream, inside), "an ignored directory of the project is fine")
+
+    def test_refuses_an_out_it_could_destroy(self) -> None:
+        upstream = self.upstream({})
+        other = self.tmp / "other"
+        other.mkdir()
+        (other / "keep.txt").write_text("mine\n")
+        for out in [self.project.root, self.tmp, self.project.root / "torch_overlay", other]:
+            text = self.run_rebase(upstream, out)
+            self.assertTrue(text.startswith("exit 1\n"), text)
+            self.assertIn(f"rebase: --out {out}".replace(str(self.tmp), "<tmp>"), text)
+        self.assertEqual((other / "keep.txt").read_text(), "mine\n")
+        self.assertTrue((self.project.root / ".git").is_dir())
+        self.assertEqual(OVERLAY["torch/fake/beta.py"], self.project.overlay_file("torch/fake/beta.py").read_text())
+        self.assertEqual([p.name for p in self.tmp.iterdir() if p.name.startswith(".")], [])
 
     def test_conflict_writes_nothing(self) -> None:
         upstream = self.upstream({"torch/fake/beta.py": ("return 1", "return 10")})
