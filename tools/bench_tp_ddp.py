@@ -1,13 +1,18 @@
 """Benchmark: TP + DDP on a 2x2 (dp x tp) mesh, 4 ranks, CPU/gloo, stock and overlay side by side in one run.
 
-1. Swap hooks: the per-forward cost of the overlay's hooks (a DTensor view of each TP parameter in its owner's
-   forward pre-hook, dropped in its forward hook) for a model with >= 256 DTensor parameters, against the floor:
-   a bare loop of ``DTensor.from_local`` over the same local parameters. Hooks are called directly, so the
-   figure is the swap alone, without any forward compute.
+1. Swap hooks: the per-forward cost of the hooks ``DDP(device_mesh=...)`` registers, for a model with >= 256
+   DTensor parameters: the overlay's (each owner's forward pre-hook puts its cached DTensor view of each TP
+   parameter in place, after checking it is still valid; its forward hook drops it; the root's hooks) and
+   stock's (the root's two hooks, once the first forward has turned the TP parameters into plain DTensor
+   attributes), against a bare loop of ``DTensor.from_local`` over the same local parameters (what building a
+   view per parameter and forward costs). Hooks are called directly, so the figure is the hooks alone,
+   without any forward compute.
 2. Training step (forward, backward, SGD step) of a 16-block TP MLP (ColwiseParallel/RowwiseParallel):
    (a) overlay ``DDP(device_mesh=mesh["dp"])``; (b) stock ``DDP(device_mesh=mesh["dp"])``; (c) FSDP2
    ``fully_shard(mesh=mesh["dp"])`` per block and at the root, over the same TP model (overlay active; FSDP2 is
-   not overlaid). Steps of the three run interleaved, so load on the machine hits all of them alike.
+   not overlaid). Each repeat times the three in turn, in an order rotated from repeat to repeat, so load on
+   the machine and order effects hit all of them alike; overlay/stock is also given per repeat (paired), as
+   the median and the range of those ratios.
 
 Each rank builds the stock model with the overlay deactivated and the others with it activated
 (``torch_overlay.deactivate()`` / ``activate()`` before building), so both run in the same processes. Times are,
@@ -79,37 +84,54 @@ def _timed(fn: Callable[[], object], iters: int) -> float:
 
 def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list[float]]:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel.ddp import _enter_dtensor_views, _exit_dtensor_views
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import torch_overlay
+
+    def hooks_of(model: nn.Module, names: set[str]) -> Callable[[], None]:
+        """Call the named forward pre-hooks and forward hooks of every module of ``model``, as one forward does."""
+        pre = [(m, h) for m in model.modules() for h in m._forward_pre_hooks.values() if h.__name__ in names]
+        post = [(m, h) for m in model.modules() for h in m._forward_hooks.values() if h.__name__ in names]
+        assert pre and post, names
+
+        def call() -> None:
+            for module, hook in pre:
+                hook(module, ())
+            for module, hook in post:
+                hook(module, (), None)
+
+        return call
+
     # params / 2 linear layers (weight and bias), each its own owner module; tiny so that the swap dominates.
-    model = _tp_model(mesh, params // 4, 8, 8)
+    blocks, x = params // 4, torch.randn(4, 8)
+    torch_overlay.deactivate()
+    stock_model = _tp_model(mesh, blocks, 8, 8)
+    DDP(stock_model, device_mesh=mesh["dp"])(x).sum().backward()  # stock's steady state: after one forward
+    torch_overlay.activate()
+    model = _tp_model(mesh, blocks, 8, 8)
     DDP(model, device_mesh=mesh["dp"])
-    owners = [m for m in model.modules() if m._forward_pre_hooks and m is not model]
     locals_ = [p for p in model.parameters() if hasattr(p, "_st_info")]
     assert len(locals_) >= params, len(locals_)
     specs = [(p, p._st_info) for p in locals_]
-    # Only the overlay's swap hooks, not the input/output hooks of ColwiseParallel/RowwiseParallel.
-    pre = [(m, h) for m in owners for h in m._forward_pre_hooks.values() if h is _enter_dtensor_views]
-    post = [(m, h) for m in owners for h in m._forward_hooks.values() if h is _exit_dtensor_views]
-    assert len(pre) == len(post) == len(owners), (len(pre), len(post), len(owners))
-
-    def hooks() -> None:
-        for module, hook in pre:
-            hook(module, ())
-        for module, hook in post:
-            hook(module, (), None)
+    # The hooks DDP(device_mesh=...) registers (the root's and, in the overlay, each owner's), not the
+    # input/output hooks of ColwiseParallel/RowwiseParallel.
+    transform = {"_reconstruct_dtensor", "_localize_dtensor"}
+    runs = {
+        "stock": hooks_of(stock_model, transform),
+        "hooks": hooks_of(model, transform | {"_enter_dtensor_views", "_exit_dtensor_views"}),
+    }
 
     def floor() -> None:
         for p, spec in specs:
             DTensor.from_local(p, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
-    figures: dict[str, list[float]] = {"hooks": [], "floor": []}
-    hooks()
-    floor()
+    runs["floor"] = floor
+    figures: dict[str, list[float]] = {key: [] for key in runs}
+    for run in runs.values():
+        run()
     for _ in range(repeats):
-        figures["floor"].append(_timed(floor, iters))
-        figures["hooks"].append(_timed(hooks, iters))
+        for key, run in runs.items():
+            figures[key].append(_timed(run, iters))
     figures["params"] = [float(len(locals_))]
     return figures
 
@@ -151,9 +173,12 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
     for step in runs.values():  # warm-up (stock swaps its parameters on the first forward only)
         step()
         step()
-    for _ in range(repeats):
-        for key, step in runs.items():
-            figures[key].append(_timed(step, iters))
+    keys = list(runs)
+    for repeat in range(repeats):
+        # Rotate the order so that no configuration always runs first (or right after another).
+        shift = repeat % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            figures[key].append(_timed(runs[key], iters))
     return figures
 
 
@@ -172,9 +197,14 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
     dist.destroy_process_group()
 
 
-def _slowest_median(by_rank: dict[int, dict[str, list[float]]], key: str) -> float:
+def _slowest(by_rank: dict[int, dict[str, list[float]]], key: str) -> list[float]:
+    """Per repeat, the slowest rank's time."""
     repeats = len(next(iter(by_rank.values()))[key])
-    return statistics.median(max(by_rank[r][key][i] for r in by_rank) for i in range(repeats))
+    return [max(by_rank[r][key][i] for r in by_rank) for i in range(repeats)]
+
+
+def _slowest_median(by_rank: dict[int, dict[str, list[float]]], key: str) -> float:
+    return statistics.median(_slowest(by_rank, key))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--step-iters", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--step-iters", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args(argv)
     print(
         f"{WORLD_SIZE} ranks, 2x2 (dp x tp) mesh, CPU/gloo, 1 thread per rank, torch {torch.__version__}, "
@@ -219,11 +249,13 @@ def main(argv: list[str] | None = None) -> int:
 
     floor = _slowest_median(hooks, "floor")
     swap = _slowest_median(hooks, "hooks")
+    stock_hooks = _slowest_median(hooks, "stock")
     n = int(hooks[0]["params"][0])
     print(f"\n1. swap hooks per forward, {n} DTensor parameters (median of {args.repeats} x {args.hook_iters})")
-    print(f"{'':<44}{'ms':>9}{'x floor':>9}")
-    print(f"{'floor: bare DTensor.from_local loop':<44}{floor * 1e3:>9.3f}{1.0:>9.2f}")
-    print(f"{'overlay: owners pre-hooks + forward hooks':<44}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
+    print(f"{'':<50}{'ms':>9}{'x loop':>9}")
+    print(f"{'bare DTensor.from_local loop (a view per param)':<50}{floor * 1e3:>9.3f}{1.0:>9.2f}")
+    print(f"{'stock: root hooks, after the first forward':<50}{stock_hooks * 1e3:>9.3f}{stock_hooks / floor:>9.2f}")
+    print(f"{'overlay: root + owners hooks (cached views)':<50}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
 
     overlay = _slowest_median(steps, "overlay")
     print(
@@ -239,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, name in names.items():
         t = _slowest_median(steps, key)
         print(f"{name:<44}{t * 1e3:>9.2f}{overlay / t:>11.3f}")
+    paired = [o / s for o, s in zip(_slowest(steps, "overlay"), _slowest(steps, "stock"), strict=True)]
+    print(
+        f"overlay/stock per repeat (paired): median {statistics.median(paired):.3f}, "
+        f"range {min(paired):.3f} .. {max(paired):.3f}"
+    )
     return 0
 
 
