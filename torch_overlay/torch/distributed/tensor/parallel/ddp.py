@@ -274,9 +274,9 @@ def _pre_dp_module_transform(module: nn.Module):
     registered for good: DDP, optimizers, ``named_parameters()`` and
     ``state_dict()`` see the same object before, during and after every forward.
     Forward hooks on each module that owns such parameters show them as DTensor
-    views (zero copy, gradients flow to the local parameter) while that module
-    runs forward, so nested modules, submodules called on their own and
-    activation checkpointing work. DDP then handles the local parameters like any
+    views (zero copy, gradients flow to the local parameter, reused across
+    forwards until stale) while that module runs forward, so nested modules,
+    submodules called on their own and activation checkpointing work. DDP then handles the local parameters like any
     other, e.g. in its gradient buckets. ``state_dict()`` returns the TP
     parameters as DTensors with their global shape, as TP alone does, and
     ``load_state_dict()`` accepts them back.
