@@ -232,15 +232,27 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
                 out.append(len(param._backward_hooks or {}))
             return out
 
+        optim = torch.optim.SGD(params, lr=0.1)
         first = sizes()
+        first_views = None
         for step in range(4):
             ddp(self.inputs(mesh, step)).sum().backward()
+            optim.step()
+            optim.zero_grad()
             self.assertEqual(sizes(), first, "hooks or state grew with the iterations")
-            # Each module caches one DTensor view per TP parameter it owns.
-            for module in model.modules():
-                views = module.__dict__.get("_dp_dtensor_param_views")
-                if views is not None:
-                    self.assertEqual(set(views.cache), set(views.specs))
+            # Each module caches one DTensor view per TP parameter it owns,
+            # reused across forwards and optimizer steps.
+            views = [
+                module.__dict__["_dp_dtensor_param_views"]
+                for module in model.modules()
+                if "_dp_dtensor_param_views" in module.__dict__
+            ]
+            for v in views:
+                self.assertEqual(set(v.cache), set(v.specs))
+            cached = [view for v in views for _, _, view in v.cache.values()]
+            first_views = first_views or cached
+            for view, first_view in zip(cached, first_views, strict=True):
+                self.assertIs(view, first_view, "a valid view was rebuilt")
 
     def test_state_dict_and_dcp_round_trip(self):
         """state_dict() gives global DTensors; DCP save -> load round-trips bitwise."""
