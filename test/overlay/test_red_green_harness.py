@@ -2,6 +2,7 @@
 
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -40,24 +41,32 @@ SYNTHETIC_TESTS = textwrap.dedent(
 )
 
 
+NODE = "test/test_synthetic.py::T::"
+
+
+def run_stock(red_list: str, *pytest_args: str) -> subprocess.CompletedProcess:
+    """``pytest --stock`` over the synthetic tests in a scratch project with this conftest and ``red_list``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "test" / "overlay").mkdir(parents=True)
+        shutil.copy(REPO_ROOT / "test" / "conftest.py", root / "test" / "conftest.py")
+        (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
+        (root / "test" / "overlay" / "red_on_stock.txt").write_text(red_list)
+        (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n")
+        return run([sys.executable, "-m", "pytest", "--stock", *pytest_args, "test"], cwd=root)
+
+
 class RedGreenHarnessTest(unittest.TestCase):
     def test_stock_run_judges_each_listed_test(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            (root / "test" / "overlay").mkdir(parents=True)
-            shutil.copy(REPO_ROOT / "test" / "conftest.py", root / "test" / "conftest.py")
-            (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
-            node = "test/test_synthetic.py::T::"
-            (root / "test" / "overlay" / "red_on_stock.txt").write_text(
-                f"# comment\n{node}test_red_as_listed the stock defect\n"
-                f"{node}test_red_for_another_reason the stock defect\n"
-                f"{node}test_passes_on_stock the stock defect\n"
-                f"{node}test_skipped_on_stock the stock defect\n"
-                f"{node}test_skipped_at_setup the stock defect\n"
-                f"{node}test_pattern_only_in_source the stock defect\n"
-            )
-            (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n")
-            result = run([sys.executable, "-m", "pytest", "--stock", "-rA", "test"], cwd=root)
+        listed = [
+            "test_red_as_listed",
+            "test_red_for_another_reason",
+            "test_passes_on_stock",
+            "test_skipped_on_stock",
+            "test_skipped_at_setup",
+            "test_pattern_only_in_source",
+        ]
+        result = run_stock("# comment\n" + "".join(f"{NODE}{name} the stock defect\n" for name in listed), "-rA")
         self.assertEqual(result.returncode, 1, result.stdout)
         outcomes = {
             name: outcome
@@ -82,16 +91,7 @@ class RedGreenHarnessTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"1 deselected")
 
     def test_a_listed_file_that_is_gone_is_an_error(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            (root / "test" / "overlay").mkdir(parents=True)
-            shutil.copy(REPO_ROOT / "test" / "conftest.py", root / "test" / "conftest.py")
-            (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
-            (root / "test" / "overlay" / "red_on_stock.txt").write_text(
-                "test/test_renamed.py::T::test_red_as_listed the stock defect\n"
-            )
-            (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n")
-            result = run([sys.executable, "-m", "pytest", "--stock", "test"], cwd=root)
+        result = run_stock("test/test_renamed.py::T::test_red_as_listed the stock defect\n")
         self.assertEqual(result.returncode, 4, result.stdout + result.stderr)
         self.assertIn("no file test/test_renamed.py (renamed or removed?)", result.stderr)
 
