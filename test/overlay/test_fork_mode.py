@@ -82,6 +82,10 @@ class TestForkMode(expecttest.TestCase):
         _fork.revert(cls.torch_dir)
         cls._tmp.cleanup()
 
+    def setUp(self) -> None:
+        # The scratch torch is shared by the tests: each starts from stock, whatever the one before left.
+        _fork.revert(self.torch_dir)
+
     def run_scratch(self, *args: str) -> subprocess.CompletedProcess[str]:
         """A Python of the scratch environment: the scratch torch first on the path, no overlay at all."""
         # NOTE: without CI: under CI=true, PyTorch's run_tests() writes XML reports and needs xmlrunner.
