@@ -1,6 +1,7 @@
-"""Persistent activation in a scratch virtual environment: install, every new process and spawned child,
+"""Persistent activation in a scratch virtual environment: install, every new process, spawned child and torchrun rank,
 TORCH_OVERLAY=0, status and check, revert, and a start-up hook that can never break interpreter start-up."""
 
+import json
 import re
 import stat
 import tempfile
@@ -8,7 +9,7 @@ import unittest
 from pathlib import Path
 
 from expecttest import TestCase
-from scratch_env import ScratchVenv, clean_env, probe, run, tamper, torch_tree
+from scratch_env import PROBE, ScratchVenv, clean_env, probe, run, tamper, torch_tree
 
 from torch_overlay._manifest import load_manifest
 from torch_overlay._persistent import hook_text
@@ -40,6 +41,11 @@ class PersistentHookTest(TestCase):
         self.assertFalse(report["at_start"]["torch_imported"], "the start-up hook must not import torch")
         self.assertTrue(report["here"]["warning_fixed"], report)
         self.assertTrue(report["spawned_child"]["warning_fixed"], report)
+        torchrun = run(
+            [self.venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(PROBE)]
+        )
+        ranks = [json.loads(line) for line in torchrun.stdout.splitlines() if line.startswith("{")]
+        self.assertEqual([r["here"]["warning_fixed"] for r in ranks], [True, True], torchrun.stdout + torchrun.stderr)
         off = probe(self.venv.python, env=clean_env(TORCH_OVERLAY="0"))
         self.assertTrue(off["here"]["warning_stock"], off)
 
