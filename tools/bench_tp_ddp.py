@@ -25,16 +25,15 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from queue import Empty
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tools.ranks import run_ranks
 
 WORLD_SIZE = 4
 
@@ -222,27 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{WORLD_SIZE} ranks, 2x2 (dp x tp) mesh, CPU/gloo, 1 thread per rank, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs (shared machine: figures are noisy when others run)"
     )
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [context.Process(target=_worker, args=(rank, init_file, args, queue)) for rank in range(WORLD_SIZE)]
-        for proc in procs:
-            proc.start()
-        gathered = []
-        while len(gathered) < len(procs):
-            try:
-                gathered.append(queue.get(timeout=5))
-            except Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    for proc in procs:
-                        proc.kill()
-                    print("a rank failed", file=sys.stderr)
-                    return 1
-        for proc in procs:
-            proc.join()
-    if any(proc.exitcode for proc in procs):
-        print("a rank failed", file=sys.stderr)
+    gathered = run_ranks(_worker, WORLD_SIZE, args)
+    if gathered is None:
         return 1
     hooks = {rank: h for rank, h, _ in gathered}
     steps = {rank: s for rank, _, s in gathered}

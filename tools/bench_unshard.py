@@ -29,15 +29,15 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+
+from tools.ranks import run_ranks
 
 WORLD_SIZE = 4
 MIB = 1 << 20
@@ -186,21 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model: {args.layers} x Linear({args.width}, {args.width}) = {numel / 1e6:.1f}M parameters "
         f"({numel * 4 / MIB:.0f} MiB fp32), FULL_SHARD, {WORLD_SIZE} ranks, CPU/gloo, torch {torch.__version__}"
     )
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [
-            context.Process(target=_worker, args=(rank, init_file, args.layers, args.width, args.repeats, queue))
-            for rank in range(WORLD_SIZE)
-        ]
-        for proc in procs:
-            proc.start()
-        gathered = [queue.get() for _ in procs]
-        for proc in procs:
-            proc.join()
-    if any(proc.exitcode for proc in procs):
-        print("a rank failed", file=sys.stderr)
+    gathered = run_ranks(_worker, WORLD_SIZE, args.layers, args.width, args.repeats)
+    if gathered is None:
         return 1
     by_rank = {rank: results for rank, _, results in gathered}
     shard_bytes = gathered[0][1] * 4
