@@ -40,6 +40,11 @@ class OverlayFinder:
         self.disabled_reason: str | None = None
 
     @property
+    def module_names(self) -> tuple[str, ...]:
+        """The modules this finder serves."""
+        return tuple(self._files)
+
+    @property
     def base_checked(self) -> bool:
         return not self._guard_pending
 

@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 
-from torch_overlay._finder import OverlayFinder, installed_finder, overlay_files
+from torch_overlay._finder import OverlayFinder, installed_finder
 
 ENV_VAR = "TORCH_OVERLAY"
 
@@ -27,13 +27,14 @@ def boot() -> None:
     if disabled_by_env():
         return
     try:
-        if any(name in sys.modules for name in overlay_files()):
+        finder = OverlayFinder(guard_on_first_use=True)
+        if any(name in sys.modules for name in finder.module_names):
             # Imported before the hook ran (a test runner's plugins, say): swap them, checking the base now.
             from torch_overlay._loader import activate
 
             activate(guard_on_first_use=True)
         elif installed_finder() is None:
-            sys.meta_path.insert(0, OverlayFinder(guard_on_first_use=True))
+            sys.meta_path.insert(0, finder)
     except Exception as e:  # start-up must go on whatever happened
         warnings.warn(
             f"torch_overlay: the start-up hook did not activate the overlay: {e}", RuntimeWarning, stacklevel=2
