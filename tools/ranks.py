@@ -35,7 +35,8 @@ def run_ranks(worker: Callable[..., None], world_size: int, *args: object) -> li
                     break
         for proc in procs:
             proc.join()
-    if len(gathered) < len(procs) or any(proc.exitcode for proc in procs):
-        print("a rank failed", file=sys.stderr)
+    failed = [f"rank {rank} exited with {proc.exitcode}" for rank, proc in enumerate(procs) if proc.exitcode]
+    if len(gathered) < len(procs) or failed:
+        print(f"a rank failed: {', '.join(failed) or 'no result'}", file=sys.stderr)
         return None
     return gathered
