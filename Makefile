@@ -28,6 +28,8 @@ test-overlay: install
 lint: install
 	$(PY) -m ruff check torch_overlay tools test
 	$(PY) -m ruff format --check torch_overlay tools test
+	# The overlay modules are upstream files: PyTorch's formatting (ruff format, 88 columns)
+	$(PY) -m ruff format --check --isolated --line-length 88 torch_overlay/torch
 
 apply-overlay: install
 	$(PY) -m torch_overlay.activate
