@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+from torch.distributed.fsdp._unshard_param_utils import _unshard_fsdp_state_params
 from torch.profiler import profile, ProfilerActivity
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_fsdp import FSDPTestContinuous
@@ -88,13 +89,21 @@ class _CPUContinuousTest(FSDPTestContinuous):
                             self.assertEqual(handle.flat_param._full_param_padded.untyped_storage().size(), 0)
                     for param in params:
                         param.fill_(123.0)
-        for fsdp_module in FSDP.fsdp_modules(model):
-            self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
-            self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.IDLE)
+        self._check_idle_and_resharded(model)
         with FSDP.summon_full_params(model, writeback=False):
             params = list(model.parameters())
             for param, value in zip(params, _edited_values(params), strict=True):
                 self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
+
+    def _check_idle_and_resharded(self, model: FSDP) -> None:
+        """After a ``writeback=True, rank0_only=True`` context, every rank (the source too) is idle and sharded."""
+        for fsdp_module in FSDP.fsdp_modules(model):
+            self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
+            handle = fsdp_module._handle
+            self.assertEqual(handle._training_state, HandleTrainingState.IDLE)
+            if handle.uses_sharded_strategy:
+                self.assertEqual(handle.flat_param._full_param_padded.untyped_storage().size(), 0)
+                self.assertEqual(handle.flat_param.data_ptr(), handle.flat_param._local_shard.data_ptr())
 
     def _check_other_ranks_allocate_at_most_a_shard(self, model: FSDP, is_src: bool) -> None:
         """
@@ -238,6 +247,39 @@ class TestUnshardRank0Writeback(_CPUContinuousTest):
                 self.assertTrue(torch.equal(param.cpu(), ref_param))
         # The model is still usable, with the values from before the context
         self._check_rank0_writeback(model, offload_to_cpu=False, is_src=self.rank == 0)
+
+    def test_rank0_writeback_single_state(self):
+        """
+        ``_unshard_fsdp_state_params()``, which the state-dict paths share, writes back rank 0's change to one
+        FSDP state when called on its own, without ``summon_full_params()``.
+        """
+        self.run_subtests(
+            {"sharding_strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD]},
+            self._test_rank0_writeback_single_state,
+        )
+
+    def _test_rank0_writeback_single_state(self, sharding_strategy):
+        model = FSDP(
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+        )
+        # Lazy initialization, as `summon_full_params()` does it before unsharding
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+        with _unshard_fsdp_state_params(
+            model, model, writeback=True, rank0_only=True, offload_to_cpu=False, with_grads=False
+        ):
+            if self.rank == 0:
+                with torch.no_grad():
+                    for param, value in zip(model.parameters(), _edited_values(list(model.parameters())), strict=True):
+                        param.copy_(value.to(param.device))
+        self._check_idle_and_resharded(model)
+        with FSDP.summon_full_params(model, writeback=False):
+            params = list(model.parameters())
+            for param, value in zip(params, _edited_values(params), strict=True):
+                self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
 
     def test_rank0_writeback_with_grads_raises(self):
         """Gradients are not written back from rank 0: asking for it is a clear error on every rank."""

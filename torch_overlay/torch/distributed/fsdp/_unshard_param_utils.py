@@ -1,7 +1,7 @@
 # mypy: allow-untyped-defs
 import contextlib
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import cast
 
 import torch
@@ -103,17 +103,25 @@ def _is_rank0_writeback_src(state: _FSDPState, handle: FlatParamHandle) -> bool:
     )
 
 
-class _Rank0WritebackAgreement:
+class _Rank0WritebackCall:
     """
-    Whether the body of a ``writeback=True, rank0_only=True`` context
-    succeeded on every rank, agreed on once per set of process groups for
-    all FSDP states of one ``summon_full_params()`` call instead of once per
-    state: the innermost state exits first and sees whether the body raised,
-    and the states exit in the same order on every rank.
+    What the FSDP states of one ``writeback=True, rank0_only=True``
+    ``summon_full_params()`` call share upon exit:
+
+    - Whether the body succeeded on every rank, agreed on once per set of
+      process groups instead of once per state: the innermost state exits
+      first and sees whether the body raised, and the states exit in the same
+      order on every rank.
+    - The collectives that write back each state's parameters. They run
+      concurrently instead of one after the other, and what must wait for
+      them (e.g. freeing rank 0's unsharded parameter, which it is sending)
+      runs in :meth:`wait`, once all of them finished.
     """
 
     def __init__(self) -> None:
         self._succeeded: dict[tuple[dist.ProcessGroup, ...], bool] = {}
+        self._works: list[dist.Work] = []
+        self._callbacks: list[Callable[[], None]] = []
 
     def agree(
         self,
@@ -129,11 +137,34 @@ class _Rank0WritebackAgreement:
             # value, so for hybrid sharding the second gives the minimum over
             # all replicas.
             for process_group in process_groups:
-                dist.all_reduce(
-                    succeeded, op=dist.ReduceOp.MIN, group=process_group
-                )
+                dist.all_reduce(succeeded, op=dist.ReduceOp.MIN, group=process_group)
             self._succeeded[process_groups] = bool(succeeded.item())
         return self._succeeded[process_groups]
+
+    def add(self, work: dist.Work | None, callback: Callable[[], None]) -> None:
+        """Runs ``callback`` in :meth:`wait`, after ``work`` (if any) finished."""
+        if work is not None:
+            self._works.append(work)
+        self._callbacks.append(callback)
+
+    def wait(self) -> None:
+        """
+        Waits for all collectives, then runs the callbacks in the order they
+        were added. The callbacks run even if a collective failed (nothing is
+        in flight anymore then), and the first failure is raised afterwards.
+        """
+        works, self._works = self._works, []
+        callbacks, self._callbacks = self._callbacks, []
+        error: Exception | None = None
+        for work in works:
+            try:
+                work.wait()
+            except Exception as e:
+                error = error or e
+        for callback in callbacks:
+            callback()
+        if error is not None:
+            raise error
 
 
 @torch.no_grad()
@@ -174,9 +205,7 @@ def _gather_to_rank0(
             gather_list = None
             if is_src:
                 gather_list = list(
-                    handle._alloc_padded_unsharded_flat_param().chunk(
-                        handle.world_size
-                    )
+                    handle._alloc_padded_unsharded_flat_param().chunk(handle.world_size)
                 )
             dist.gather(
                 handle.flat_param.data,
@@ -196,19 +225,22 @@ def _writeback_from_rank0(
     state: _FSDPState,
     handle: FlatParamHandle,
     body_succeeded: bool,
-    agreement: _Rank0WritebackAgreement,
-) -> None:
+    rank0_writeback_call: _Rank0WritebackCall,
+) -> dist.Work | None:
     """
-    For ``writeback=True, rank0_only=True``, writes back rank 0's unsharded
-    flattened parameter to the local shard of every rank: rank 0 scatters the
-    padded shards within its shard group (``NO_SHARD`` broadcasts), and for
-    hybrid sharding, rank 0's replica then broadcasts each shard to the other
-    replicas over the inter-node process group. The other ranks only receive
-    their shard, never the unsharded parameter.
+    For ``writeback=True, rank0_only=True``, starts writing back rank 0's
+    unsharded flattened parameter to the local shard of every rank: rank 0
+    scatters the padded shards within its shard group (``NO_SHARD``
+    broadcasts), and for hybrid sharding, rank 0's replica then broadcasts
+    each shard to the other replicas over the inter-node process group. The
+    other ranks only receive their shard, never the unsharded parameter.
+    Returns the collective in flight, which must finish before rank 0 frees
+    its unsharded flattened parameter and before the local shard is used, or
+    ``None`` if nothing is in flight.
 
     Every rank must call this for the same handles in the same order. The
     ranks first agree on whether the context body succeeded everywhere (via
-    ``agreement``, once per ``summon_full_params()`` call); if it
+    ``rank0_writeback_call``, once per ``summon_full_params()`` call); if it
     raised on any rank, nothing is written back on any rank, and the local
     shards keep their values from before the context (for ``NO_SHARD``, rank
     0's in-place changes are undone from rank 1's copy).
@@ -223,10 +255,12 @@ def _writeback_from_rank0(
     process_groups = (state.process_group,)
     if inter_node_pg is not None:
         process_groups += (inter_node_pg,)
-    succeeded = agreement.agree(process_groups, body_succeeded, handle.device)
+    succeeded = rank0_writeback_call.agree(
+        process_groups, body_succeeded, handle.device
+    )
     if not handle.uses_sharded_strategy:
         if handle.world_size == 1:
-            return
+            return None
         # `NO_SHARD` changes rank 0's parameter in place: send it to the other
         # ranks, or undo the changes from rank 1's copy if the body raised
         src = 0 if succeeded else 1
@@ -236,33 +270,47 @@ def _writeback_from_rank0(
         local_shard = flat_param._local_shard  # type: ignore[attr-defined]
     else:
         # Only rank 0's unsharded parameter changed, and it is freed
-        return
+        return None
     # Collectives run on the compute device (the local shard may be offloaded)
     buffer = (
         local_shard
         if local_shard.device == handle.device
         else torch.empty_like(local_shard, device=handle.device)
     )
+    work: dist.Work | None = None
     if not handle.uses_sharded_strategy:
         if buffer is not local_shard and state.rank == src:
             buffer.copy_(local_shard)
-        dist.broadcast(buffer, group=state.process_group, group_src=src)
+        work = dist.broadcast(
+            buffer, group=state.process_group, group_src=src, async_op=True
+        )
     else:
         if inter_node_pg is None or dist.get_rank(inter_node_pg) == 0:
             scatter_list = None
             if state.rank == 0:
                 scatter_list = list(
-                    handle._get_padded_unsharded_flat_param().chunk(
-                        handle.world_size
-                    )
+                    handle._get_padded_unsharded_flat_param().chunk(handle.world_size)
                 )
-            dist.scatter(
-                buffer, scatter_list, group=state.process_group, group_src=0
+            work = dist.scatter(
+                buffer,
+                scatter_list,
+                group=state.process_group,
+                group_src=0,
+                async_op=True,
             )
         if inter_node_pg is not None:
-            dist.broadcast(buffer, group=inter_node_pg, group_src=0)
+            if work is not None:
+                work.wait()
+            work = dist.broadcast(
+                buffer, group=inter_node_pg, group_src=0, async_op=True
+            )
     if buffer is not local_shard:
+        # Finish now, so that only one handle's shard at a time needs memory
+        # on the compute device
+        work.wait()  # type: ignore[union-attr]
         local_shard.copy_(buffer)
+        return None
+    return work
 
 
 def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
@@ -437,7 +485,7 @@ def _unshard_fsdp_state_params(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
-    rank0_writeback_agreement: _Rank0WritebackAgreement | None = None,
+    rank0_writeback_call: _Rank0WritebackCall | None = None,
 ):
     """
     This unshards the parameters for a single FSDP state ``state`` that
@@ -473,8 +521,11 @@ def _unshard_fsdp_state_params(
     # written-back shards.
     rank0_writeback = writeback and rank0_only
     body_succeeded = False
-    if rank0_writeback and rank0_writeback_agreement is None:
-        rank0_writeback_agreement = _Rank0WritebackAgreement()
+    # Without a call shared with other states, this state waits for its own
+    # writeback upon exit
+    owns_rank0_writeback_call = rank0_writeback and rank0_writeback_call is None
+    if owns_rank0_writeback_call:
+        rank0_writeback_call = _Rank0WritebackCall()
 
     _reset_flat_param_grad_info_if_needed(handle)
     free_unsharded_flat_param = handle.needs_unshard()
@@ -502,11 +553,22 @@ def _unshard_fsdp_state_params(
             yield
             body_succeeded = True
         finally:
+
+            def set_idle() -> None:
+                handle._training_state = HandleTrainingState.IDLE
+
             if rank0_writeback:
-                _writeback_from_rank0(
-                    state, handle, body_succeeded, rank0_writeback_agreement
+                # This rank's shard is in use until the writeback finished
+                rank0_writeback_call.add(  # type: ignore[union-attr]
+                    _writeback_from_rank0(
+                        state, handle, body_succeeded, rank0_writeback_call
+                    ),
+                    set_idle,
                 )
-            handle._training_state = HandleTrainingState.IDLE
+                if owns_rank0_writeback_call:
+                    rank0_writeback_call.wait()  # type: ignore[union-attr]
+            else:
+                set_idle()
     else:
         # Unflatten the unsharded flattened parameters
         with contextlib.ExitStack() as stack:
@@ -535,16 +597,27 @@ def _unshard_fsdp_state_params(
                 body_succeeded = True
             finally:
                 stack.close()
+
+                def reshard() -> None:
+                    _reshard(state, handle, free_unsharded_flat_param)
+                    if with_grads:
+                        _reshard_grads(handle)
+                    handle._training_state = HandleTrainingState.IDLE
+
                 if rank0_writeback:
-                    _writeback_from_rank0(
-                        state, handle, body_succeeded, rank0_writeback_agreement
+                    # Rank 0 frees its unsharded parameter once it is sent
+                    rank0_writeback_call.add(  # type: ignore[union-attr]
+                        _writeback_from_rank0(
+                            state, handle, body_succeeded, rank0_writeback_call
+                        ),
+                        reshard,
                     )
-                elif writeback:
-                    _writeback_to_local_shard(handle, with_grads)
-                _reshard(state, handle, free_unsharded_flat_param)
-                if with_grads:
-                    _reshard_grads(handle)
-                handle._training_state = HandleTrainingState.IDLE
+                    if owns_rank0_writeback_call:
+                        rank0_writeback_call.wait()  # type: ignore[union-attr]
+                else:
+                    if writeback:
+                        _writeback_to_local_shard(handle, with_grads)
+                    reshard()
 
 
 @contextlib.contextmanager
@@ -555,7 +628,7 @@ def _unshard_params_for_summon(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
-    rank0_writeback_agreement: _Rank0WritebackAgreement | None = None,
+    rank0_writeback_call: _Rank0WritebackCall | None = None,
 ):
     _validate_unshard_params_args(
         state, writeback, rank0_only, offload_to_cpu, with_grads
@@ -576,7 +649,7 @@ def _unshard_params_for_summon(
         rank0_only=rank0_only,
         offload_to_cpu=offload_to_cpu,
         with_grads=with_grads,
-        rank0_writeback_agreement=rank0_writeback_agreement,
+        rank0_writeback_call=rank0_writeback_call,
     ):
         try:
             state.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -617,10 +690,11 @@ def _unshard_params(
         states_and_modules = ([optional_state], [module])
     else:
         states_and_modules = traversal_utils._get_fsdp_states_with_modules(module)
-    rank0_writeback_agreement = (
-        _Rank0WritebackAgreement() if writeback and rank0_only else None
-    )
+    rank0_writeback_call = _Rank0WritebackCall() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
+        if rank0_writeback_call is not None:
+            # Exits last: the states' writebacks run concurrently
+            stack.callback(rank0_writeback_call.wait)
         for state, module in zip(*states_and_modules):
             stack.enter_context(
                 _unshard_params_for_summon(
@@ -630,7 +704,7 @@ def _unshard_params(
                     rank0_only=rank0_only,
                     offload_to_cpu=offload_to_cpu,
                     with_grads=with_grads,
-                    rank0_writeback_agreement=rank0_writeback_agreement,
+                    rank0_writeback_call=rank0_writeback_call,
                 )
             )
         yield
