@@ -141,8 +141,19 @@ class _Rank0WritebackCall:
             self._succeeded[process_groups] = bool(succeeded.item())
         return self._succeeded[process_groups]
 
-    def add(self, work: dist.Work | None, callback: Callable[[], None]) -> None:
-        """Runs ``callback`` in :meth:`wait`, after ``work`` (if any) finished."""
+    def start(
+        self,
+        state: _FSDPState,
+        handle: FlatParamHandle,
+        body_succeeded: bool,
+        callback: Callable[[], None],
+    ) -> None:
+        """
+        Starts writing back the handle's parameters from rank 0 (see
+        ``_writeback_from_rank0()``), and runs ``callback`` in :meth:`wait`
+        once that finished.
+        """
+        work = _writeback_from_rank0(state, handle, body_succeeded, self)
         if work is not None:
             self._works.append(work)
         self._callbacks.append(callback)
@@ -559,11 +570,8 @@ def _unshard_fsdp_state_params(
 
             if rank0_writeback:
                 # This rank's shard is in use until the writeback finished
-                rank0_writeback_call.add(  # type: ignore[union-attr]
-                    _writeback_from_rank0(
-                        state, handle, body_succeeded, rank0_writeback_call
-                    ),
-                    set_idle,
+                rank0_writeback_call.start(  # type: ignore[union-attr]
+                    state, handle, body_succeeded, set_idle
                 )
                 if owns_rank0_writeback_call:
                     rank0_writeback_call.wait()  # type: ignore[union-attr]
@@ -606,11 +614,8 @@ def _unshard_fsdp_state_params(
 
                 if rank0_writeback:
                     # Rank 0 frees its unsharded parameter once it is sent
-                    rank0_writeback_call.add(  # type: ignore[union-attr]
-                        _writeback_from_rank0(
-                            state, handle, body_succeeded, rank0_writeback_call
-                        ),
-                        reshard,
+                    rank0_writeback_call.start(  # type: ignore[union-attr]
+                        state, handle, body_succeeded, reshard
                     )
                     if owns_rank0_writeback_call:
                         rank0_writeback_call.wait()  # type: ignore[union-attr]
