@@ -2,6 +2,7 @@
 
 import copy
 import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -9,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 from torch.distributed.fsdp._unshard_param_utils import _unshard_fsdp_state_params
 from torch.profiler import profile, ProfilerActivity
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
@@ -280,6 +282,53 @@ class TestUnshardRank0Writeback(_CPUContinuousTest):
             params = list(model.parameters())
             for param, value in zip(params, _edited_values(params), strict=True):
                 self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
+
+    def test_rank0_writeback_scatters_run_concurrently(self):
+        """
+        Every unit's scatter is started before any is waited for, and rank 0 frees an unsharded flat parameter
+        only after all of them were waited for: never while a collective may still read it.
+        """
+        events = []
+
+        class RecordingWork:
+            def __init__(self, work: dist.Work) -> None:
+                self._work = work
+
+            def wait(self, *args, **kwargs):
+                events.append("wait")
+                return self._work.wait(*args, **kwargs)
+
+        scatter, reshard = dist.scatter, unshard_param_utils._reshard
+
+        def recording_scatter(*args, **kwargs):
+            work = scatter(*args, **kwargs)
+            events.append("scatter" if work is not None else "blocking scatter")
+            return RecordingWork(work) if work is not None else None
+
+        def recording_reshard(*args, **kwargs):
+            events.append("reshard")
+            return reshard(*args, **kwargs)
+
+        model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device)
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+        events.clear()
+        with (
+            mock.patch.object(dist, "scatter", recording_scatter),
+            mock.patch.object(unshard_param_utils, "_reshard", recording_reshard),
+        ):
+            with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+                events.clear()  # what the other ranks reshard early is not the point here
+                if self.rank == 0:
+                    with torch.no_grad():
+                        for param, value in zip(
+                            model.parameters(), _edited_values(list(model.parameters())), strict=True
+                        ):
+                            param.copy_(value.to(param.device))
+        # Two units (the inner one and the root): two scatters, then the waits, then (on rank 0) the frees
+        expected = ["scatter", "scatter", "wait", "wait"] + (["reshard", "reshard"] if self.rank == 0 else [])
+        self.assertEqual(events, expected)
+        self._check_idle_and_resharded(model)
 
     def test_rank0_writeback_with_grads_raises(self):
         """Gradients are not written back from rank 0: asking for it is a clear error on every rank."""

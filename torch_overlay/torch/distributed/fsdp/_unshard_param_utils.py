@@ -115,7 +115,8 @@ class _Rank0WritebackCall:
     - The collectives that write back each state's parameters. They run
       concurrently instead of one after the other, and what must wait for
       them (e.g. freeing rank 0's unsharded parameter, which it is sending)
-      runs in :meth:`wait`, once all of them finished.
+      runs in :meth:`wait`, once all of them finished. A state may call
+      :meth:`wait` early to bound memory (see ``_unshard_fsdp_state_params()``).
     """
 
     def __init__(self) -> None:
@@ -161,19 +162,22 @@ class _Rank0WritebackCall:
     def wait(self) -> None:
         """
         Waits for all collectives, then runs the callbacks in the order they
-        were added. The callbacks run even if a collective failed (nothing is
-        in flight anymore then), and the first failure is raised afterwards.
+        were added, each even if an earlier one raised, and raises the first
+        error. If a collective fails, its error propagates at once and no
+        callback runs: the collective's buffers may still be in use (e.g. by
+        an NCCL kernel), so they are not freed, as when a collective fails
+        elsewhere in FSDP.
         """
         works, self._works = self._works, []
         callbacks, self._callbacks = self._callbacks, []
-        error: Exception | None = None
         for work in works:
+            work.wait()
+        error: Exception | None = None
+        for callback in callbacks:
             try:
-                work.wait()
+                callback()
             except Exception as e:
                 error = error or e
-        for callback in callbacks:
-            callback()
         if error is not None:
             raise error
 
@@ -617,7 +621,13 @@ def _unshard_fsdp_state_params(
                     rank0_writeback_call.start(  # type: ignore[union-attr]
                         state, handle, body_succeeded, reshard
                     )
-                    if owns_rank0_writeback_call:
+                    # With the parameters offloaded, exiting `to_cpu()` allocated
+                    # the unsharded parameter on the compute device again: free it
+                    # before the next state exits, so that the device holds one
+                    # state's at most, as on entry
+                    if owns_rank0_writeback_call or (
+                        offload_to_cpu and handle.device.type != "cpu"
+                    ):
                         rank0_writeback_call.wait()  # type: ignore[union-attr]
                 else:
                     if writeback:
