@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
-from torch.testing._internal.common_fsdp import FSDPTestContinuous
 from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
+
+from common_fsdp_cpu import FSDPTestContinuousCPU
 
 if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
@@ -20,25 +20,10 @@ if TEST_WITH_DEV_DBG_ASAN:
     sys.exit(0)
 
 
-class TestUnshardCPUOffload(FSDPTestContinuous):
+class TestUnshardCPUOffload(FSDPTestContinuousCPU):
     """``offload_to_cpu`` when the compute device is the CPU (gloo), on two ranks."""
 
     world_size = 2
-
-    @classmethod
-    def _init_pg(cls, rank, world_size, rdvz_file):
-        # FSDPTestContinuous skips when there are fewer accelerators than ranks;
-        # these tests also run on CPU with gloo.
-        if torch.accelerator.device_count() >= world_size:
-            super()._init_pg(rank, world_size, rdvz_file)
-        else:
-            MultiProcContinuousTest._init_pg.__func__(cls, rank, world_size, rdvz_file)
-
-    @property
-    def device(self) -> torch.device:
-        if torch.accelerator.device_count() >= self.world_size:
-            return torch.accelerator.current_accelerator()
-        return torch.device("cpu")
 
     def test_offload_to_cpu_on_cpu_compute_device(self):
         """``offload_to_cpu=True`` keeps the full parameters when they already live in CPU memory."""

@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
-from torch.testing._internal.common_fsdp import FSDPTestContinuous
 from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
+
+from common_fsdp_cpu import FSDPTestContinuousCPU
 
 if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
@@ -33,25 +33,10 @@ def _make_reference() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))
 
 
-class TestUnshardOffloadAndGrads(FSDPTestContinuous):
+class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
     """``offload_to_cpu`` with ``NO_SHARD``, and ``with_grads`` with ``offload_to_cpu`` or flat parameters."""
 
     world_size = 2
-
-    @classmethod
-    def _init_pg(cls, rank, world_size, rdvz_file):
-        # FSDPTestContinuous skips when there are fewer accelerators than ranks;
-        # these tests also run on CPU with gloo.
-        if torch.accelerator.device_count() >= world_size:
-            super()._init_pg(rank, world_size, rdvz_file)
-        else:
-            MultiProcContinuousTest._init_pg.__func__(cls, rank, world_size, rdvz_file)
-
-    @property
-    def device(self) -> torch.device:
-        if torch.accelerator.device_count() >= self.world_size:
-            return torch.accelerator.current_accelerator()
-        return torch.device("cpu")
 
     def _wrap(self, reference: nn.Module, sharding_strategy: ShardingStrategy, use_orig_params: bool) -> FSDP:
         """Nested FSDP: an inner unit for the first linear layer, the root for the rest."""

@@ -13,9 +13,9 @@ from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingSt
 import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 from torch.distributed.fsdp._unshard_param_utils import _unshard_fsdp_state_params
 from torch.profiler import profile, ProfilerActivity
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
-from torch.testing._internal.common_fsdp import FSDPTestContinuous
 from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
+
+from common_fsdp_cpu import FSDPTestContinuousCPU
 
 if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
@@ -58,21 +58,8 @@ def _largest_allocation_bytes(prof: profile, device: torch.device) -> int:
     return max(sizes, default=0)
 
 
-class _CPUContinuousTest(FSDPTestContinuous):
-    @classmethod
-    def _init_pg(cls, rank, world_size, rdvz_file):
-        # FSDPTestContinuous skips when there are fewer accelerators than ranks;
-        # these tests also run on CPU with gloo.
-        if torch.accelerator.device_count() >= world_size:
-            super()._init_pg(rank, world_size, rdvz_file)
-        else:
-            MultiProcContinuousTest._init_pg.__func__(cls, rank, world_size, rdvz_file)
-
-    @property
-    def device(self) -> torch.device:
-        if torch.accelerator.device_count() >= self.world_size:
-            return torch.accelerator.current_accelerator()
-        return torch.device("cpu")
+class _Rank0WritebackTest(FSDPTestContinuousCPU):
+    """The checks that the two- and four-rank test classes share."""
 
     def _check_rank0_writeback(self, model: FSDP, offload_to_cpu: bool, is_src: bool) -> None:
         """Rank 0 edits the full parameters with ``writeback=True, rank0_only=True``; every rank sees them after."""
@@ -140,7 +127,7 @@ class _CPUContinuousTest(FSDPTestContinuous):
             )
 
 
-class TestUnshardRank0Writeback(_CPUContinuousTest):
+class TestUnshardRank0Writeback(_Rank0WritebackTest):
     """``summon_full_params(writeback=True, rank0_only=True)`` on two ranks (gloo on CPU included)."""
 
     world_size = 2
@@ -344,7 +331,7 @@ class TestUnshardRank0Writeback(_CPUContinuousTest):
         self.assertIn("do not support with_grads=True", message)
 
 
-class TestUnshardRank0WritebackHybrid(_CPUContinuousTest):
+class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
     """``writeback=True, rank0_only=True`` with hybrid sharding on a 2 x 2 mesh: every replica gets rank 0's change."""
 
     world_size = 4

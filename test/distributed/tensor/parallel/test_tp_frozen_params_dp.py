@@ -4,8 +4,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
@@ -18,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.common_utils import run_tests, TEST_WITH_DEV_DBG_ASAN
 from torch.testing._internal.distributed._tensor.common_dtensor import (
     DTensorContinuousTestBase,
+    MLPModule,
 )
 
 
@@ -33,19 +32,6 @@ if TEST_WITH_DEV_DBG_ASAN:
     sys.exit(0)
 
 
-DIM = 8
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = nn.Linear(DIM, 2 * DIM)
-        self.net2 = nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x):
-        return self.net2(F.relu(self.net1(x)))
-
-
 class TestTPFrozenParamsDP(DTensorContinuousTestBase):
     """A TP parameter with ``requires_grad=False`` stays frozen under DDP and FSDP."""
 
@@ -53,15 +39,14 @@ class TestTPFrozenParamsDP(DTensorContinuousTestBase):
 
     def build(self):
         mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
-        torch.manual_seed(0)
-        model = MLP()
+        model = MLPModule(self.device_type)
         parallelize_module(
             model, mesh["tp"], {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
         )
         # A frozen base weight, as in LoRA; everything else trains.
         model.net1.weight.requires_grad_(False)
         torch.manual_seed(mesh["dp"].get_local_rank())
-        return mesh, model, torch.randn(4, DIM)
+        return mesh, model, torch.randn(4, 10)
 
     def test_ddp_frozen_tp_param(self):
         mesh, model, x = self.build()
