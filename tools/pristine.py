@@ -11,14 +11,13 @@ one: ``TORCH_OVERLAY_WHEEL_CACHE=DIR`` (a directory holding ``torch-<version>+..
 
 from __future__ import annotations
 
-import hashlib
 import os
 import zipfile
 from pathlib import Path
 
 from torch_overlay import _fork
 from torch_overlay._guard import find_torch_dir
-from torch_overlay._manifest import Manifest
+from torch_overlay._manifest import Manifest, sha256_hex
 
 WHEEL_CACHE_ENV = "TORCH_OVERLAY_WHEEL_CACHE"
 
@@ -52,7 +51,7 @@ def read_files(manifest: Manifest, source: Path) -> dict[str, bytes]:
 def verify(manifest: Manifest, files: dict[str, bytes], source: object) -> dict[str, bytes]:
     problems = []
     for m in manifest.modules:
-        found = hashlib.sha256(files[m.path]).hexdigest()
+        found = sha256_hex(files[m.path])
         if found != m.base_sha256:
             problems.append(f"  - {m.path}: sha256 {found}, expected {m.base_sha256}")
     if problems:

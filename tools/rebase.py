@@ -18,7 +18,6 @@ renamed into place.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from tools.pristine import BaseSourceError, pristine_base, read_files, read_path
 from tools.project import Project, default_project
 from torch_overlay import _git
 from torch_overlay._guard import public_version, read_torch_version
+from torch_overlay._manifest import sha256_hex
 
 MARKER = ".torch-overlay-rebase"
 """Written at the top of every rebase output: only such a directory (or an empty one) is ever replaced."""
@@ -124,7 +124,7 @@ def write_rebased(
         manifest = json.loads(project.manifest_path.read_text(encoding="utf-8"))
         manifest["base"]["version"] = version
         for module in manifest["modules"]:
-            module["base_sha256"] = hashlib.sha256(theirs[module["path"]]).hexdigest()
+            module["base_sha256"] = sha256_hex(theirs[module["path"]])
         rebased.manifest_path.parent.mkdir(parents=True, exist_ok=True)
         rebased.manifest_path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         for r in results:

@@ -14,7 +14,6 @@ one step), so a revert killed before that is completed by running it again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torch_overlay._guard import check_base, find_torch_dir
-from torch_overlay._manifest import PACKAGE_DIR, load_manifest
+from torch_overlay._manifest import PACKAGE_DIR, load_manifest, sha256_hex
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
 from torch_overlay._persistent import installed_hook
 
@@ -114,10 +113,6 @@ def patched(base: dict[str, bytes], patch_files: list[Path]) -> dict[str, bytes]
     return {path: tree[path] for path in base}
 
 
-def _sha(content: bytes) -> str:
-    return hashlib.sha256(content).hexdigest()
-
-
 def _write_atomically(target: Path, content: bytes) -> None:
     mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -178,7 +173,7 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
     torch_dir = torch_dir or find_torch_dir()
     manifest = load_manifest()
     patch_files = series(patches_dir)
-    digest = _sha(b"".join(p.read_bytes() for p in patch_files))
+    digest = sha256_hex(b"".join(p.read_bytes() for p in patch_files))
     state = read_state(torch_dir)
     if state is not None:
         if state.patches_sha256 != digest:
@@ -211,7 +206,7 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
         base_version=manifest.version,
         patches=tuple(p.name for p in patch_files),
         patches_sha256=digest,
-        files=tuple(ForkFile(p, _sha(base[p]), _sha(after[p])) for p in base),
+        files=tuple(ForkFile(p, sha256_hex(base[p]), sha256_hex(after[p])) for p in base),
     )
     _save_originals(torch_dir, base, state)
     try:
@@ -227,12 +222,12 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
 def _complete(torch_dir: Path, state: ForkState, patch_files: list[Path]) -> bool:
     """Finish an apply that was interrupted (files still at ``before_sha256``); False when none is left."""
     current = _current(torch_dir, state)
-    pending = [f for f in state.files if _sha(current[f.path]) != f.after_sha256]
+    pending = [f for f in state.files if sha256_hex(current[f.path]) != f.after_sha256]
     if not pending:
         return False
     after = patched(_saved_originals(torch_dir, state, state.files), patch_files)
     for f in pending:
-        if _sha(after[f.path]) != f.after_sha256:
+        if sha256_hex(after[f.path]) != f.after_sha256:
             raise ForkError(
                 f"torch_overlay: the series does not rebuild the patched {f.path} recorded in "
                 f"{state_dir(torch_dir) / 'state.json'}. Nothing was changed. Run `torch-overlay revert-patches`."
@@ -274,7 +269,7 @@ def _current(torch_dir: Path, state: ForkState) -> dict[str, bytes]:
     for f in state.files:
         target = torch_dir.parent / f.path
         content = target.read_bytes() if target.is_file() else None
-        found = None if content is None else _sha(content)
+        found = None if content is None else sha256_hex(content)
         if content is None or found not in (f.before_sha256, f.after_sha256):
             raise ForkError(
                 f"torch_overlay: {target} changed since fork mode was applied (sha256 {found}; expected the "
@@ -296,7 +291,7 @@ def _saved_originals(torch_dir: Path, state: ForkState, files: tuple[ForkFile, .
                 f"torch_overlay: the saved original {saved} is missing or unreadable ({e.strerror}). Nothing was "
                 f"changed. {_reinstall_hint(torch_dir, state.base_version)}"
             ) from e
-        if _sha(content) != f.before_sha256:
+        if sha256_hex(content) != f.before_sha256:
             raise ForkError(
                 f"torch_overlay: the saved original {saved} is damaged (not sha256 {f.before_sha256}). Nothing "
                 f"was changed. {_reinstall_hint(torch_dir, state.base_version)}"
@@ -324,7 +319,7 @@ def revert(torch_dir: Path | None = None) -> ForkState | None:
     if state is None:
         return None
     current = _current(torch_dir, state)
-    patched_files = tuple(f for f in state.files if _sha(current[f.path]) != f.before_sha256)
+    patched_files = tuple(f for f in state.files if sha256_hex(current[f.path]) != f.before_sha256)
     originals = _saved_originals(torch_dir, state, patched_files)
     _replace_all(torch_dir, originals, current, redo="torch-overlay revert-patches")
     _remove_state(torch_dir)

@@ -79,5 +79,10 @@ def load_manifest(path: Path = MANIFEST_PATH) -> Manifest:
     return manifest
 
 
+def sha256_hex(content: bytes) -> str:
+    """The hash the manifest records for an upstream file with ``content`` (``base_sha256``)."""
+    return hashlib.sha256(content).hexdigest()
+
+
 def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return sha256_hex(path.read_bytes())
