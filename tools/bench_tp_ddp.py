@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tools.ranks import run_ranks
+from tools.ranks import run_ranks, slowest
 
 WORLD_SIZE = 4
 
@@ -197,9 +197,7 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
 
 
 def _slowest(by_rank: dict[int, dict[str, list[float]]], key: str) -> list[float]:
-    """Per repeat, the slowest rank's time."""
-    repeats = len(next(iter(by_rank.values()))[key])
-    return [max(by_rank[r][key][i] for r in by_rank) for i in range(repeats)]
+    return slowest(figures[key] for figures in by_rank.values())
 
 
 def _slowest_median(by_rank: dict[int, dict[str, list[float]]], key: str) -> float:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tools.ranks import run_ranks
+from tools.ranks import run_ranks, slowest
 
 WORLD_SIZE = 4
 MIB = 1 << 20
@@ -192,20 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     by_rank = {rank: results for rank, _, results in gathered}
     shard_bytes = gathered[0][1] * 4
 
+    def slowest_s(key: str, field: str) -> list[float]:
+        return slowest([getattr(m, field) for m in results[key]] for results in by_rank.values())
+
     def row(key: str) -> tuple[float, float, int]:
         # Per repeat, the slowest rank; then the median over repeats
-        totals = [max(by_rank[r][key][i].total_s for r in by_rank) for i in range(args.repeats)]
-        writebacks = [max(by_rank[r][key][i].writeback_s for r in by_rank) for i in range(args.repeats)]
         peak = max(m.peak_extra_bytes for r in by_rank if r != 0 for m in by_rank[r][key])
-        return statistics.median(totals), statistics.median(writebacks), peak
+        return statistics.median(slowest_s(key, "total_s")), statistics.median(slowest_s(key, "writeback_s")), peak
 
     rows = {key: row(key) for key in "abc"}
     floor_s = rows["c"][1]
     # (a) and (c) ran in the same repeats: the ratio within each repeat, less exposed to load than two medians
-    paired = sorted(
-        max(by_rank[r]["a"][i].writeback_s for r in by_rank) / max(by_rank[r]["c"][i].writeback_s for r in by_rank)
-        for i in range(args.repeats)
-    )
+    paired = sorted(a / c for a, c in zip(slowest_s("a", "writeback_s"), slowest_s("c", "writeback_s"), strict=True))
     names = {
         "a": "(a) rank-0 writeback (overlay)",
         "b": "(b) workaround: all ranks + broadcast (stock)",

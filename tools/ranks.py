@@ -1,11 +1,12 @@
-"""Run a benchmark's ranks: spawned processes, a file rendezvous, one result each through a queue."""
+"""Run a benchmark's ranks (spawned processes, a file rendezvous, one result each through a queue), and combine
+their figures."""
 
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from queue import Empty
 
 import torch.multiprocessing as mp
@@ -59,3 +60,8 @@ def run_ranks(worker: Callable[..., None], world_size: int, *args: object) -> li
         print(f"a rank failed: {', '.join(failed) or 'no result'}", file=sys.stderr)
         return None
     return gathered
+
+
+def slowest(per_rank: Iterable[Sequence[float]]) -> list[float]:
+    """Per repeat, the slowest rank's figure (what the whole group took); ``per_rank``: each rank's repeats."""
+    return [max(figures) for figures in zip(*per_rank, strict=True)]
