@@ -317,6 +317,54 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         self.assertEqual(events, expected)
         self._check_idle_and_resharded(model)
 
+    def test_rank0_writeback_cleanup_error_spares_other_units(self):
+        """
+        If freeing one unit's unsharded parameter raises on rank 0 after the writeback, the error reaches the
+        caller, the other unit is still resharded and idle, and every rank has rank 0's change.
+        """
+        model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device)
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+        reshard = unshard_param_utils._reshard
+        armed = False
+        failed = []
+
+        def failing_reshard(state, handle, *args, **kwargs):
+            # The first reshard on rank 0 after the body fails (the other ranks reshard early, on entry)
+            if armed and self.rank == 0 and not failed:
+                failed.append(state)
+                raise _BodyError("reshard failed")
+            return reshard(state, handle, *args, **kwargs)
+
+        raised = False
+        with mock.patch.object(unshard_param_utils, "_reshard", failing_reshard):
+            try:
+                with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+                    params = list(model.parameters())
+                    if self.rank == 0:
+                        with torch.no_grad():
+                            for param, value in zip(params, _edited_values(params), strict=True):
+                                param.copy_(value.to(param.device))
+                    armed = True
+            except _BodyError:
+                raised = True
+        self.assertEqual(raised, self.rank == 0)
+        self.assertEqual(len(failed), int(self.rank == 0))
+        spared = [m for m in FSDP.fsdp_modules(model) if m not in failed]
+        self.assertEqual(len(spared), 2 - len(failed))
+        for fsdp_module in spared:
+            self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.IDLE)
+            self.assertEqual(fsdp_module._handle.flat_param._full_param_padded.untyped_storage().size(), 0)
+        for fsdp_module in failed:
+            # Left as the failure left it; finish its reshard by hand to read the parameters below
+            self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.SUMMON_FULL_PARAMS)
+            reshard(fsdp_module, fsdp_module._handle, True)
+            fsdp_module._handle._training_state = HandleTrainingState.IDLE
+        with FSDP.summon_full_params(model, writeback=False):
+            params = list(model.parameters())
+            for param, value in zip(params, _edited_values(params), strict=True):
+                self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
+
     def test_rank0_writeback_with_grads_raises(self):
         """Gradients are not written back from rank 0: asking for it is a clear error on every rank."""
         model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device, use_orig_params=True)
