@@ -365,6 +365,46 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
             for param, value in zip(params, _edited_values(params), strict=True):
                 self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
 
+    def test_rank0_writeback_failed_collective_frees_nothing(self):
+        """
+        If waiting for a writeback collective fails, the error reaches every rank at once and rank 0 frees
+        nothing: with NCCL, the collective may still be reading the unsharded parameter.
+        """
+        model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device)
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+        scatter = dist.scatter
+
+        class FailingWork:
+            def __init__(self, work: dist.Work) -> None:
+                self._work = work
+
+            def wait(self, *args, **kwargs):
+                self._work.wait(*args, **kwargs)
+                raise _BodyError("collective failed")
+
+        def failing_scatter(*args, **kwargs):
+            work = scatter(*args, **kwargs)
+            return FailingWork(work) if work is not None else None
+
+        raised = False
+        with mock.patch.object(dist, "scatter", failing_scatter):
+            try:
+                with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+                    pass
+            except _BodyError:
+                raised = True
+        self.assertTrue(raised)
+        for fsdp_module in FSDP.fsdp_modules(model):
+            handle = fsdp_module._handle
+            self.assertEqual(handle._training_state, HandleTrainingState.SUMMON_FULL_PARAMS)
+            allocated = handle.flat_param._full_param_padded.untyped_storage().size() > 0
+            self.assertEqual(allocated, self.rank == 0)
+            # What FSDP would need to go on: reshard and idle again, by hand
+            unshard_param_utils._reshard(fsdp_module, handle, True)
+            handle._training_state = HandleTrainingState.IDLE
+        self._check_idle_and_resharded(model)
+
     def test_rank0_writeback_with_grads_raises(self):
         """Gradients are not written back from rank 0: asking for it is a clear error on every rank."""
         model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device, use_orig_params=True)
