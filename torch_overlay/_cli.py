@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from torch_overlay import _fork
-from torch_overlay._guard import BaseMismatchError
+from torch_overlay._guard import BaseMismatchError, require_base
 from torch_overlay._persistent import install_hook, remove_hook
 from torch_overlay._status import status
 
@@ -21,6 +21,9 @@ def _apply() -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 1
+    warning = require_base("install the persistent overlay").warning
+    if warning:
+        print(warning, file=sys.stderr)
     path, changed = install_hook()
     if changed:
         print(f"torch-overlay: persistent overlay installed: {path}")
@@ -54,7 +57,9 @@ def _check() -> int:
         )
         return 1
     if report.ok:
-        print("torch-overlay: check passed: the installed torch is the overlay's base")
+        print(f"torch-overlay: check passed: {report.base.summary()}")
+        if report.base.warning:
+            print(report.base.warning, file=sys.stderr)
         return 0
     for problem in report.problems():
         print(f"torch-overlay: check failed: {problem}", file=sys.stderr)
@@ -66,6 +71,8 @@ def _apply_patches(patches_dir: Path | None) -> int:
     files = ", ".join(f.path for f in state.files if f.before_sha256 != f.after_sha256)
     if changed:
         print(f"torch-overlay: fork mode applied: {len(state.patches)} patches to torch {state.base_version}: {files}")
+        if state.torch_version and state.base_version != state.torch_version:
+            print(f"(torch {state.torch_version} is not a listed base; its files are those of {state.base_version})")
         print("Revert with `torch-overlay revert-patches`.")
     else:
         print(f"torch-overlay: fork mode already applied ({len(state.patches)} patches; nothing changed)")

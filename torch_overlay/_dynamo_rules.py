@@ -1,9 +1,13 @@
 """``torch.compile`` treats each overlay file as it treats the upstream file it replaces.
 
-Dynamo decides what to trace from file paths: the stock files under ``torch/distributed`` are skipped when a
-frame starts in them and inlined when traced code calls into them (MOD_SKIPLIST, MOD_INLINELIST), while our
-files live outside the torch package and would be traced by default. So each overlay file joins every rule set
-that its upstream path matches. Fork mode and the upstream series need none of this: their files are in place.
+Dynamo decides what to trace from file paths: the stock files under ``torch/distributed`` are in path lists
+such as MOD_SKIPLIST (skip a frame that starts there), MOD_INLINELIST (inline calls into them) and, from
+torch 2.14 on, NGB_SUPPRESS_INLINELIST (no nested graph breaks inside them), while our files live outside
+the torch package and would be treated as user code. So each overlay file joins every path list that its
+upstream path is in. The lists differ between releases; each is built by a ``get_<name>list()`` function of
+``torch._dynamo.trace_rules`` that caches a set of path prefixes, so every such set is found by name, and
+adding to it is how a path joins a list without reimplementing dynamo's rules. Fork mode and the upstream
+series need none of this: their files are in place.
 """
 
 from __future__ import annotations
@@ -13,40 +17,42 @@ import sys
 import types
 from importlib.machinery import ModuleSpec, PathFinder
 
-from torch_overlay._finder import overlay_files
+from torch_overlay._manifest import load_manifest
 
 TRACE_RULES = "torch._dynamo.trace_rules"
 
 
-def _rule_sets(trace_rules: types.ModuleType) -> tuple[set[str], ...]:
-    # NOTE: cached sets of path prefixes, built on first use from module names; adding to them is how a path
-    # joins a rule set without reimplementing dynamo's rules.
-    return (
-        trace_rules.get_legacy_mod_inlinelist(),
-        trace_rules.get_mod_inlinelist(),
-        trace_rules.get_mod_skiplist(),
-    )
+def path_lists(trace_rules: types.ModuleType) -> dict[str, set[str]]:
+    """Every cached path-prefix set of ``trace_rules``, by the name of the function that builds it."""
+    lists = {}
+    for name, getter in sorted(vars(trace_rules).items()):
+        if name.startswith("get_") and name.endswith("list") and hasattr(getter, "cache_clear"):
+            value = getter()
+            if isinstance(value, set) and all(isinstance(p, str) for p in value):
+                lists[name] = value
+    return lists
 
 
-def _upstream_and_overlay_paths() -> list[tuple[str, str]]:
+def upstream_and_overlay_paths() -> list[tuple[str, str]]:
+    """(the upstream file's path, our file's path) for each module the overlay serves."""
     site_dir = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)))
     return [
         (os.path.join(site_dir, *name.split(".")) + ".py", overlay_file)
-        for name, overlay_file in overlay_files().items()
+        for name, overlay_file in load_manifest().overlay_files().items()
     ]
 
 
 def register(trace_rules: types.ModuleType) -> None:
-    """Put each overlay file in the rule sets its upstream file is in."""
-    for rule_set in _rule_sets(trace_rules):
-        for upstream, overlay in _upstream_and_overlay_paths():
+    """Put each overlay file in the path lists its upstream file is in."""
+    for rule_set in path_lists(trace_rules).values():
+        for upstream, overlay in upstream_and_overlay_paths():
             if any(upstream.startswith(prefix) for prefix in rule_set):
                 rule_set.add(overlay)
 
 
 def unregister(trace_rules: types.ModuleType) -> None:
-    overlays = {overlay for _, overlay in _upstream_and_overlay_paths()}
-    for rule_set in _rule_sets(trace_rules):
+    overlays = {overlay for _, overlay in upstream_and_overlay_paths()}
+    for rule_set in path_lists(trace_rules).values():
         rule_set -= overlays
 
 

@@ -1,28 +1,20 @@
 """The import finder that serves the overlay modules under their upstream names.
 
-This is all that the start-up hook of a persistent install loads into every interpreter, so it imports only
-what a bare interpreter has already loaded (plus ``json``): the heavier machinery (the version guard, fork
-mode) is imported on the first import of a replaced module, when torch is being imported anyway.
+This (and the manifest reader, :mod:`torch_overlay._manifest`) is all that the start-up hook of a persistent
+install loads into every interpreter, so it imports only what a bare interpreter has already loaded (plus
+``json``): the heavier machinery (the version guard, fork mode) is imported on the first import of a replaced
+module, when torch is being imported anyway. It never imports the loader, which imports it.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import threading
 import types
 import warnings
 from importlib.machinery import ModuleSpec
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def overlay_files() -> dict[str, str]:
-    """Module name -> our file for the modules served at run time, in the manifest's (dependency) order."""
-    with open(os.path.join(PACKAGE_DIR, "manifest.json"), encoding="utf-8") as f:
-        modules = json.load(f)["modules"]
-    return {m["name"]: os.path.join(PACKAGE_DIR, *m["path"].split("/")) for m in modules if m.get("runtime", True)}
+from torch_overlay._manifest import load_manifest
 
 
 class OverlayFinder:
@@ -34,10 +26,11 @@ class OverlayFinder:
     """
 
     def __init__(self, guard_on_first_use: bool) -> None:
-        self._files = overlay_files()
+        self._files = load_manifest().overlay_files()
         self._guard_pending = guard_on_first_use
         self._guard_lock = threading.Lock()
         self.disabled_reason: str | None = None
+        self.base_warning: str | None = None
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -57,17 +50,17 @@ class OverlayFinder:
         if self._guard_pending:
             with self._guard_lock:
                 if self._guard_pending:
-                    from torch_overlay._loader import stand_down_reason
-
                     try:
-                        self.disabled_reason = stand_down_reason()
+                        self.disabled_reason, self.base_warning = first_use_check()
                     except Exception as e:  # the user's import must go on, on stock torch
                         self.disabled_reason = f"the base check failed: {e!r}"
                     self._guard_pending = False
+                    if self.disabled_reason is None and self.base_warning is not None:
+                        warnings.warn(self.base_warning, RuntimeWarning, stacklevel=3)
                     if self.disabled_reason is not None:
                         warnings.warn(
-                            "torch_overlay: the overlay is NOT active in this process, the installed torch is "
-                            f"not its base: {self.disabled_reason}. "
+                            "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
+                            f"one of its bases: {self.disabled_reason}. "
                             "Run `python -m torch_overlay.activate --status`.",
                             RuntimeWarning,
                             stacklevel=3,
@@ -85,6 +78,19 @@ class OverlayFinder:
         if overlay_file is None or self.verify() is not None:
             return None
         return overlay_spec(fullname, overlay_file)
+
+
+def first_use_check() -> tuple[str | None, str | None]:
+    """The base check of a finder installed by the start-up hook: (why it must stand down, a warning)."""
+    from torch_overlay import _fork
+    from torch_overlay._guard import check_base
+
+    check = check_base()
+    if check.ok:
+        return None, check.warning
+    if _fork.active_state(check.torch_dir):
+        return "fork mode is active (the series is applied in place)", None
+    return "; ".join(check.problems()), None
 
 
 def overlay_spec(name: str, overlay_file: str) -> ModuleSpec | None:

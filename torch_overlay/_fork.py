@@ -21,13 +21,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from torch_overlay._guard import check_base, find_torch_dir
-from torch_overlay._manifest import PACKAGE_DIR, load_manifest, sha256_hex
+from torch_overlay._atomic import write_atomically
+from torch_overlay._guard import check_base, find_torch_dir, reinstall_hint
+from torch_overlay._manifest import PACKAGE_DIR, load_manifest, public_version, sha256_hex
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
 from torch_overlay._persistent import installed_hook
 
 STATE_DIR_NAME = "torch-overlay-fork"
-DEFAULT_PATCHES_DIR = PACKAGE_DIR.parent / "patches"
+DEFAULT_PATCHES_DIR = Path(PACKAGE_DIR).parent / "patches"
 """A checkout's ``patches/`` (editable install); a wheel install has none: pass ``--patches DIR``."""
 
 
@@ -48,10 +49,13 @@ class ForkState:
 
     mode: str
     base_version: str
+    """The base the series was chosen for (see ``torch_version``)."""
     patches: tuple[str, ...]
     patches_sha256: str
     """sha256 of the applied patch files, concatenated in order: tells a re-apply of the same series."""
     files: tuple[ForkFile, ...]
+    torch_version: str = ""
+    """The installed torch's public version: the base's, or an unlisted release with the same files."""
 
 
 def state_dir(torch_dir: Path) -> Path:
@@ -64,10 +68,7 @@ def originals_dir(torch_dir: Path) -> Path:
 
 
 def _reinstall_hint(torch_dir: Path, version: str) -> str:
-    return (
-        f"Reinstall torch with `pip install --force-reinstall --no-deps torch=={version}` and delete "
-        f"{state_dir(torch_dir)}."
-    )
+    return f"Reinstall torch with {reinstall_hint(version)} and delete {state_dir(torch_dir)}."
 
 
 def read_state(torch_dir: Path) -> ForkState | None:
@@ -81,12 +82,15 @@ def read_state(torch_dir: Path) -> ForkState | None:
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise ForkError(
             f"torch_overlay: the fork mode state {path} is unreadable or damaged ({type(e).__name__}: {e}). "
-            f"Nothing was changed. {_reinstall_hint(torch_dir, load_manifest().version)}"
+            f"Nothing was changed. {_reinstall_hint(torch_dir, load_manifest().payload_base.version)}"
         ) from e
 
 
-def series(patches_dir: Path | None = None) -> list[Path]:
-    """The patch files in order, as ``patches/series`` lists them; None: the checkout's ``patches/``."""
+def series(patches_dir: Path | None, base_version: str) -> list[Path]:
+    """The patch files for a base, in order (:func:`~torch_overlay._patchset.read_series`).
+
+    ``patches_dir``: None is the checkout's ``patches/``.
+    """
     if patches_dir is None:
         patches_dir = DEFAULT_PATCHES_DIR
         if not patches_dir.is_dir():
@@ -96,7 +100,7 @@ def series(patches_dir: Path | None = None) -> list[Path]:
                 "directory: `torch-overlay apply-patches --patches DIR`."
             )
     try:
-        return read_series(patches_dir)
+        return read_series(patches_dir, base_version)
     except SeriesMissingError as e:
         raise ForkError(f"torch_overlay: {e}. Nothing was changed.") from e
 
@@ -114,16 +118,7 @@ def patched(base: dict[str, bytes], patch_files: list[Path]) -> dict[str, bytes]
 
 
 def _write_atomically(target: Path, content: bytes) -> None:
-    mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(target, content)
     # A stale bytecode cache could outlive a replacement within the same second; drop it.
     for cached in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
         cached.unlink(missing_ok=True)
@@ -172,11 +167,10 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
     """
     torch_dir = torch_dir or find_torch_dir()
     manifest = load_manifest()
-    patch_files = series(patches_dir)
-    digest = sha256_hex(b"".join(p.read_bytes() for p in patch_files))
     state = read_state(torch_dir)
     if state is not None:
-        if state.patches_sha256 != digest:
+        patch_files = series(patches_dir, state.base_version)
+        if state.patches_sha256 != _digest(patch_files):
             raise ForkError(
                 f"torch_overlay: fork mode is already applied to {torch_dir} with another version of the series. "
                 "Nothing was changed. Run `torch-overlay revert-patches` first, then apply again."
@@ -189,24 +183,26 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
             "changed. Use one or the other: `python -m torch_overlay.activate --revert` first."
         )
     check = check_base(manifest, torch_dir)
-    if not check.ok:
+    if check.matched is None:
         details = "\n".join(f"  - {line}" for line in check.problems())
         raise ForkError(
-            f"torch_overlay: refusing fork mode: the installed torch is not the series' base.\n{details}\n"
-            f"Nothing was changed. Reinstall it with `pip install --force-reinstall --no-deps "
-            f"torch=={manifest.version}`, or rebase the series (README, 'Rebase onto a newer torch')."
+            f"torch_overlay: refusing fork mode: the installed torch is not a base of the series.\n{details}\n"
+            f"Nothing was changed. {check.fix()}"
         )
-    targets = [m.upstream_file(torch_dir) for m in manifest.modules]
+    patch_files = series(patches_dir, check.matched.version)
+    digest = _digest(patch_files)
+    targets = [Path(m.upstream_file(torch_dir)) for m in manifest.modules]
     _refuse_unwritable(sorted({t.parent for t in targets} | {torch_dir.parent}))
-    base = {m.path: m.upstream_file(torch_dir).read_bytes() for m in manifest.modules}
+    base = {m.path: Path(m.upstream_file(torch_dir)).read_bytes() for m in manifest.modules}
     after = patched(base, patch_files)
     changed = {p: c for p, c in after.items() if c != base[p]}
     state = ForkState(
         mode="fork",
-        base_version=manifest.version,
+        base_version=check.matched.version,
         patches=tuple(p.name for p in patch_files),
         patches_sha256=digest,
         files=tuple(ForkFile(p, sha256_hex(base[p]), sha256_hex(after[p])) for p in base),
+        torch_version=public_version(check.found_version or check.matched.version),
     )
     _save_originals(torch_dir, base, state)
     try:
@@ -217,6 +213,10 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
         shutil.rmtree(state_dir(torch_dir), ignore_errors=True)
         raise
     return state, True
+
+
+def _digest(patch_files: list[Path]) -> str:
+    return sha256_hex(b"".join(p.read_bytes() for p in patch_files))
 
 
 def _complete(torch_dir: Path, state: ForkState, patch_files: list[Path]) -> bool:

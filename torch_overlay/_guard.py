@@ -1,9 +1,14 @@
-"""The version guard: is the installed torch exactly the base the overlay was made from?
+"""The version guard: is the installed torch one of the bases the overlay was made from?
 
 Every way of applying the change (in-process, persistent, fork mode) replaces whole upstream files, so it is
-only correct on the exact files it was made from. The guard compares the installed torch's version and the
-sha256 of every replaced file with the manifest before anything is changed, and it never imports torch: it
-reads files, so it is cheap enough for interpreter start-up.
+only correct on the exact files it was made from. The guard reads the installed torch's version and the
+sha256 of every replaced file and matches them against the bases of the manifest, before anything is
+changed. It never imports torch: it reads files, so it is cheap enough for the first import of a replaced
+module.
+
+A release the manifest does not list, but whose replaced files are all exactly those of a listed base, is
+served as that base with a one-line warning: the overlay replaces only those files, and they are the ones it
+was made from. Anything else is refused, saying which files differ.
 """
 
 from __future__ import annotations
@@ -15,65 +20,99 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_overlay._manifest import Manifest, OverlayModule, load_manifest, sha256_of
+from torch_overlay._manifest import Base, Manifest, hash_mismatches, load_manifest, sha256_of
 
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
 
 
 class BaseMismatchError(RuntimeError):
-    """The installed torch is not the base recorded in the manifest; nothing was changed."""
+    """The installed torch is not a base recorded in the manifest; nothing was changed."""
 
 
-@dataclass(frozen=True)
-class FileCheck:
-    module: OverlayModule
-    found_sha256: str | None
-    """sha256 of the installed upstream file, or None when the file is missing."""
-
-    @property
-    def ok(self) -> bool:
-        return self.found_sha256 == self.module.base_sha256
+def reinstall_hint(version: str) -> str:
+    """The command that puts back a release's pristine files (local edits included)."""
+    return f"`pip install --force-reinstall --no-deps torch=={version}`"
 
 
 @dataclass(frozen=True)
 class BaseCheck:
-    """What the guard found: the installed torch, its version and each replaced file against the manifest."""
+    """What the guard found: the installed torch, its version and each replaced file against the bases."""
 
-    expected_version: str
+    manifest: Manifest
     found_version: str | None
     torch_dir: Path
-    files: tuple[FileCheck, ...]
+    found: dict[str, str | None]
+    """Manifest path -> sha256 of the installed file, None when it is missing."""
 
     @property
-    def version_ok(self) -> bool:
-        return self.found_version is not None and public_version(self.found_version) == self.expected_version
+    def listed(self) -> Base | None:
+        """The listed base of the installed version, whether or not its files match."""
+        return self.manifest.base(self.found_version)
+
+    @property
+    def matched(self) -> Base | None:
+        """The base the overlay serves this torch as; None when it must refuse.
+
+        The listed base of the installed version when its files match; for an unlisted version, the newest
+        base whose files are all identical.
+        """
+        if self.listed is not None:
+            return self.listed if not hash_mismatches(self.listed.sha256, self.found) else None
+        same = self.manifest.bases_with_files(self.found)
+        return same[0] if same else None
 
     @property
     def ok(self) -> bool:
-        return self.version_ok and all(f.ok for f in self.files)
+        return self.matched is not None
+
+    @property
+    def warning(self) -> str | None:
+        """One line when an unlisted release is served because its files are those of a listed base."""
+        matched = self.matched
+        if matched is None or self.listed is not None:
+            return None
+        return (
+            f"torch_overlay: torch {self.found_version} is not a listed base, but its {len(self.found)} replaced "
+            f"files are exactly those of torch {matched.version}, so the overlay serves it as {matched.version}; "
+            "add the release with `make rebase UPSTREAM=<its wheel>` in a torch-overlay checkout"
+        )
+
+    def summary(self) -> str:
+        """What ``status`` prints on its ``base:`` line."""
+        n = len(self.found)
+        if self.listed is not None:
+            verdict = "matches" if self.ok else "MISMATCH"
+            return f"torch {self.listed.version}, {n} files: {verdict}"
+        if self.ok:
+            return f"torch {self.matched.version} (files of {self.found_version}, not listed), {n} files: matches"
+        return f"torch {self.found_version} is not a listed base ({', '.join(self.manifest.versions)}): MISMATCH"
 
     def problems(self) -> list[str]:
-        """One line per problem, naming the file or version, what was expected and what was found."""
-        lines = []
-        if not self.version_ok:
-            lines.append(
-                f"torch at {self.torch_dir} is version {self.found_version}, "
-                f"the overlay's base is {self.expected_version}"
-            )
-        for f in self.files:
-            if f.found_sha256 is None:
-                lines.append(f"{f.module.path}: missing (expected sha256 {f.module.base_sha256})")
-            elif not f.ok:
-                lines.append(
-                    f"{f.module.path}: sha256 {f.found_sha256}, expected {f.module.base_sha256} "
-                    "(edited locally, or from another torch version)"
-                )
-        return lines
+        """One line per problem, naming the version or the file, what was expected and what was found."""
+        if self.ok:
+            return []
+        here = f"torch {self.found_version} at {self.torch_dir}"
+        if self.listed is not None:
+            lines = [f"{here}: its replaced files are not those of the torch {self.listed.version} release"]
+            return lines + hash_mismatches(self.listed.sha256, self.found)
+        nearest = max(
+            reversed(self.manifest.bases), key=lambda b: sum(self.found.get(p) == h for p, h in b.sha256.items())
+        )
+        lines = [
+            f"{here} is not a listed base ({', '.join(self.manifest.versions)}), and its replaced files are not "
+            f"all those of any base; compared with the nearest, torch {nearest.version}:"
+        ]
+        return lines + hash_mismatches(nearest.sha256, self.found)
 
-
-def public_version(version: str) -> str:
-    """``2.13.0+cpu`` -> ``2.13.0``: the local build tag names the wheel flavour, not the source."""
-    return version.split("+", 1)[0]
+    def fix(self) -> str:
+        """The command that gets a user out of a mismatch."""
+        if self.listed is not None:
+            return f"Reinstall torch with {reinstall_hint(self.listed.version)} (this also undoes local edits)."
+        return (
+            f"Install a supported release (`pip install torch=={self.manifest.payload_base.version}`), or add "
+            "this one in a torch-overlay checkout with `make rebase UPSTREAM=<its wheel or site-packages>` "
+            "(README, 'Add a torch release')."
+        )
 
 
 def find_torch_dir() -> Path:
@@ -86,9 +125,10 @@ def find_torch_dir() -> Path:
         return Path(os.path.abspath(module.__file__)).parent
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
+        newest = load_manifest().payload_base.version
         raise BaseMismatchError(
             f"torch_overlay: torch is not installed for {sys.executable}. "
-            "Install the base with `pip install torch==2.13.0`."
+            f"Install a supported release, e.g. `pip install torch=={newest}`."
         )
     return Path(os.path.abspath(next(iter(spec.submodule_search_locations))))
 
@@ -103,25 +143,23 @@ def read_torch_version(torch_dir: Path) -> str | None:
 
 
 def check_base(manifest: Manifest | None = None, torch_dir: Path | None = None) -> BaseCheck:
-    """Compare an installed torch with the manifest; reads files only, changes nothing."""
+    """Compare an installed torch with the manifest's bases; reads files only, changes nothing."""
     manifest = manifest or load_manifest()
     torch_dir = torch_dir or find_torch_dir()
-    files = []
+    found = {}
     for module in manifest.modules:
         upstream = module.upstream_file(torch_dir)
-        files.append(FileCheck(module, sha256_of(upstream) if upstream.is_file() else None))
-    return BaseCheck(manifest.version, read_torch_version(torch_dir), torch_dir, tuple(files))
+        found[module.path] = sha256_of(upstream) if os.path.isfile(upstream) else None
+    return BaseCheck(manifest, read_torch_version(torch_dir), torch_dir, found)
 
 
 def require_base(action: str, manifest: Manifest | None = None, torch_dir: Path | None = None) -> BaseCheck:
-    """Return the check if the base matches, else raise :class:`BaseMismatchError` saying what to do."""
+    """Return the check if a base matches, else raise :class:`BaseMismatchError` saying what to do."""
     check = check_base(manifest, torch_dir)
     if check.ok:
         return check
     details = "\n".join(f"  - {line}" for line in check.problems())
     raise BaseMismatchError(
-        f"torch_overlay: refusing to {action}: the installed torch is not the overlay's base.\n{details}\n"
-        "Nothing was changed. Install the base with "
-        f"`pip install --force-reinstall --no-deps torch=={check.expected_version}` (this also undoes local "
-        "edits), or rebase the overlay onto your torch (README, 'Rebase onto a newer torch')."
+        f"torch_overlay: refusing to {action}: the installed torch is not a base of the overlay.\n{details}\n"
+        f"Nothing was changed. {check.fix()}"
     )

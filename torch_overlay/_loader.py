@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import threading
 import types
+import warnings
 from dataclasses import dataclass
 from enum import Enum
 from importlib.machinery import ModuleSpec
-from pathlib import Path
 
 from torch_overlay import _dynamo_rules, _fork
 from torch_overlay._dynamo_rules import TRACE_RULES
 from torch_overlay._finder import OverlayFinder, installed_finder, overlay_spec
-from torch_overlay._guard import BaseMismatchError, check_base, require_base
+from torch_overlay._guard import BaseMismatchError, require_base
 from torch_overlay._manifest import Manifest, OverlayModule, load_manifest
 
 
@@ -61,7 +62,7 @@ _originals: dict[str, types.ModuleType] = {}
 
 def is_overlay_module(module: types.ModuleType, overlay: OverlayModule) -> bool:
     origin = getattr(getattr(module, "__spec__", None), "origin", None)
-    return origin is not None and Path(origin).resolve() == overlay.overlay_file
+    return origin is not None and os.path.realpath(origin) == os.path.realpath(overlay.overlay_file)
 
 
 def activate(*, guard_on_first_use: bool = False) -> None:
@@ -85,7 +86,9 @@ def activate(*, guard_on_first_use: bool = False) -> None:
             refusal = _fork.refusal("activate the overlay")
             if refusal:
                 raise BaseMismatchError(refusal)
-            require_base("activate the overlay", manifest)
+            check = require_base("activate the overlay", manifest)
+            if check.warning:
+                warnings.warn(check.warning, RuntimeWarning, stacklevel=3)
         # NOTE: the finder goes in first, so that a manifest module first imported while the others are
         # swapped (by an overlay module, or another thread) is served from the overlay too.
         finder = OverlayFinder(guard_on_first_use=not check_now)
@@ -96,7 +99,7 @@ def activate(*, guard_on_first_use: bool = False) -> None:
                 current = sys.modules.get(overlay.name)
                 if current is None or is_overlay_module(current, overlay):
                     continue
-                replacement = _execute(overlay.name, overlay_spec(overlay.name, str(overlay.overlay_file)))
+                replacement = _execute(overlay.name, overlay_spec(overlay.name, overlay.overlay_file))
                 _swap(overlay.name, current, replacement, manifest)
                 done.append((overlay.name, current, replacement))
         except BaseException:
@@ -135,16 +138,6 @@ def deactivate() -> None:
         _originals.clear()
         if TRACE_RULES in sys.modules:
             _dynamo_rules.unregister(sys.modules[TRACE_RULES])
-
-
-def stand_down_reason() -> str | None:
-    """Why a finder installed by the start-up hook must not serve the overlay, checked at first use."""
-    check = check_base()
-    if check.ok:
-        return None
-    if _fork.active_state(check.torch_dir):
-        return "fork mode is active (the series is applied in place)"
-    return "; ".join(check.problems())
 
 
 def process_state() -> ProcessState:

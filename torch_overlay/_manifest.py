@@ -1,55 +1,77 @@
-"""The manifest: which upstream files the overlay replaces, and the base they were taken from.
+"""The manifest: which upstream files the overlay replaces, and the torch releases (bases) it serves.
 
-``manifest.json`` is the single source of truth for the base. The loader reads it to know which modules to
-serve from the overlay, the version guard to know what the installed torch must be, and the patch tools to
-know what the pristine base is. Nothing else in the project spells out a path, a module name or a hash of
-the base.
+``manifest.json`` is the single source of truth for the bases. For each supported release it records the
+sha256 of every replaced upstream file; the releases are ordered oldest first, and the newest is the one the
+payload (``torch_overlay/torch/...``) and the upstream series are made on. The start-up hook (through the
+finder), the loader, the version guard, fork mode and the patch tools all read it here, and nothing else in
+the project spells out a path, a module name, a version or a hash of a base.
+
+NOTE: this is the leaf of the package's imports, and the start-up hook of a persistent install loads it into
+every interpreter of the environment: it imports only what a bare interpreter has already loaded (plus
+``json``), so no dataclasses or typing here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass
-from pathlib import Path
+import os
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-MANIFEST_PATH = PACKAGE_DIR / "manifest.json"
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+MANIFEST_PATH = os.path.join(PACKAGE_DIR, "manifest.json")
 
 
-@dataclass(frozen=True)
 class OverlayModule:
     """One upstream module that the overlay replaces as a whole file."""
 
-    name: str
-    """Dotted module name, e.g. ``torch.distributed.fsdp._unshard_param_utils``."""
-    path: str
-    """POSIX path relative to a PyTorch checkout or to site-packages, e.g. ``torch/distributed/...py``."""
-    base_sha256: str
-    """sha256 of the upstream file at the base version."""
-    runtime: bool = True
-    """Served by the runtime overlay. False for a file changed only in its docstrings whose module defines
-    classes that live objects are instances of (``FullyShardedDataParallel``): serving a new copy at run time
-    would break ``isinstance`` for every model built before activation, for a change no program can observe.
-    Such a file is still checked by the guard, patched by fork mode and carried by the upstream series."""
+    __slots__ = ("name", "path", "runtime")
+
+    def __init__(self, name: str, path: str, runtime: bool = True) -> None:
+        self.name = name
+        """Dotted module name, e.g. ``torch.distributed.fsdp._unshard_param_utils``."""
+        self.path = path
+        """POSIX path relative to a PyTorch checkout or to site-packages, e.g. ``torch/distributed/...py``."""
+        self.runtime = runtime
+        """Served by the runtime overlay. False for a file changed only in its docstrings whose module defines
+        classes that live objects are instances of (``FullyShardedDataParallel``): serving a new copy at run
+        time would break ``isinstance`` for every model built before activation, for a change no program can
+        observe. Such a file is still checked by the guard, patched by fork mode and carried by the series."""
+
+    def __repr__(self) -> str:
+        return f"OverlayModule({self.name!r}, runtime={self.runtime})"
 
     @property
-    def overlay_file(self) -> Path:
+    def overlay_file(self) -> str:
         """Our version of the file, inside this package (``torch_overlay/torch/...``)."""
-        return PACKAGE_DIR / self.path
+        return os.path.join(PACKAGE_DIR, *self.path.split("/"))
 
-    def upstream_file(self, torch_dir: Path) -> Path:
+    def upstream_file(self, torch_dir: os.PathLike[str] | str) -> str:
         """The upstream file inside an installed ``torch`` package directory."""
-        return torch_dir.parent / self.path
+        return os.path.join(os.path.dirname(os.fspath(torch_dir)), *self.path.split("/"))
 
 
-@dataclass(frozen=True)
+class Base:
+    """One supported torch release: its public version and the sha256 of each replaced upstream file."""
+
+    __slots__ = ("version", "sha256")
+
+    def __init__(self, version: str, sha256: dict[str, str]) -> None:
+        self.version = version
+        self.sha256 = sha256
+        """Manifest path -> sha256 of that release's upstream file."""
+
+    def __repr__(self) -> str:
+        return f"Base({self.version!r})"
+
+
 class Manifest:
-    """The base (package and version) and the modules the overlay replaces, in dependency order."""
+    """The replaced modules, in dependency order, and the bases, oldest first."""
 
-    package: str
-    version: str
-    modules: tuple[OverlayModule, ...]
+    __slots__ = ("package", "modules", "bases")
+
+    def __init__(self, package: str, modules: tuple[OverlayModule, ...], bases: tuple[Base, ...]) -> None:
+        self.package = package
+        self.modules = modules
+        self.bases = bases
 
     def module(self, name: str) -> OverlayModule | None:
         return next((m for m in self.modules if m.name == name), None)
@@ -59,30 +81,117 @@ class Manifest:
         """The modules the runtime overlay serves (see :attr:`OverlayModule.runtime`)."""
         return tuple(m for m in self.modules if m.runtime)
 
+    @property
+    def versions(self) -> tuple[str, ...]:
+        return tuple(b.version for b in self.bases)
 
-def load_manifest(path: Path = MANIFEST_PATH) -> Manifest:
-    """Read and validate ``manifest.json``; a malformed manifest is a bug in this package, said plainly."""
+    @property
+    def payload_base(self) -> Base:
+        """The newest base: the payload and the upstream series are this release's files plus our change."""
+        return self.bases[-1]
+
+    def base(self, version: str | None) -> Base | None:
+        """The listed base of that version (a local tag such as ``+cpu`` is ignored), or None."""
+        public = public_version(version) if version else None
+        return next((b for b in self.bases if b.version == public), None)
+
+    def bases_with_files(self, found: dict[str, str | None]) -> list[Base]:
+        """The bases whose every replaced file has the sha256 in ``found`` (path -> sha256), newest first."""
+        return [b for b in reversed(self.bases) if all(found.get(p) == h for p, h in b.sha256.items())]
+
+    def overlay_files(self) -> dict[str, str]:
+        """Module name -> our file for the modules served at run time, in dependency order."""
+        return {m.name: m.overlay_file for m in self.runtime_modules}
+
+
+_cache: dict[tuple[str, int, int], Manifest] = {}
+
+
+def load_manifest(path: str | os.PathLike[str] = MANIFEST_PATH) -> Manifest:
+    """Read and validate ``manifest.json`` (once per version of the file); a malformed one is a bug, said plainly."""
+    path = os.path.abspath(os.fspath(path))
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        modules = tuple(
-            OverlayModule(m["name"], m["path"], m["base_sha256"], m.get("runtime", True)) for m in raw["modules"]
-        )
-        manifest = Manifest(raw["base"]["package"], raw["base"]["version"], modules)
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = (path, 0, 0)
+    if key not in _cache:
+        _cache[key] = _read(path)
+    return _cache[key]
+
+
+def _read(path: str) -> Manifest:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        modules = tuple(OverlayModule(m["name"], m["path"], m.get("runtime", True)) for m in raw["modules"])
+        bases = tuple(Base(b["version"], dict(b["sha256"])) for b in raw["bases"])
+        manifest = Manifest(raw["package"], modules, bases)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise RuntimeError(f"torch_overlay: cannot read the manifest {path}: {e!r}") from e
-    for m in manifest.modules:
+    problems = []
+    for m in modules:
         expected = m.name.replace(".", "/") + ".py"
         if m.path != expected:
-            raise RuntimeError(
-                f"torch_overlay: manifest {path}: module {m.name} has path {m.path}, expected {expected}"
-            )
+            problems.append(f"module {m.name} has path {m.path}, expected {expected}")
+    paths = {m.path for m in modules}
+    if not bases:
+        problems.append("no bases")
+    keys = [version_key(b.version) for b in bases]
+    if keys != sorted(set(keys)):
+        problems.append(f"bases {[b.version for b in bases]} are not unique and oldest first")
+    for b in bases:
+        if set(b.sha256) != paths:
+            problems.append(f"base {b.version} records {sorted(b.sha256)}, not the modules' paths {sorted(paths)}")
+        # NOTE: there is one payload: a runtime file may only be served on a base whose upstream file is the
+        # one the payload was made from. Bases whose docstring-only files differ are fine (fork mode patches).
+        for m in modules:
+            if m.runtime and bases and b.sha256.get(m.path) != bases[-1].sha256.get(m.path):
+                problems.append(
+                    f"base {b.version}: runtime file {m.path} differs from the payload base {bases[-1].version}'s"
+                )
+    if problems:
+        raise RuntimeError(f"torch_overlay: invalid manifest {path}: " + "; ".join(problems))
     return manifest
 
 
+def public_version(version: str) -> str:
+    """``2.13.0+cpu`` -> ``2.13.0``: the local build tag names the wheel flavour, not the source."""
+    return version.split("+", 1)[0]
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """``2.14.1+cu130`` -> ``(2, 14, 1)``, for ordering releases; a pre-release sorts as its release."""
+    key = []
+    for part in public_version(version).split("."):
+        digits = ""
+        for c in part:
+            if not c.isdigit():
+                break
+            digits += c
+        key.append(int(digits or 0))
+    return tuple(key)
+
+
 def sha256_hex(content: bytes) -> str:
-    """The hash the manifest records for an upstream file with ``content`` (``base_sha256``)."""
+    """The hash the manifest records for an upstream file with ``content``."""
+    import hashlib  # here, not at start-up
+
     return hashlib.sha256(content).hexdigest()
 
 
-def sha256_of(path: Path) -> str:
-    return sha256_hex(path.read_bytes())
+def sha256_of(path: str | os.PathLike[str]) -> str:
+    with open(path, "rb") as f:
+        return sha256_hex(f.read())
+
+
+def hash_mismatches(expected: dict[str, str], found: dict[str, str | None]) -> list[str]:
+    """One line per file whose sha256 in ``found`` (None: missing) is not the ``expected`` one."""
+    lines = []
+    for path, want in expected.items():
+        got = found.get(path)
+        if got is None:
+            lines.append(f"{path}: missing (expected sha256 {want})")
+        elif got != want:
+            lines.append(f"{path}: sha256 {got}, expected {want}")
+    return lines

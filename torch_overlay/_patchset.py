@@ -1,8 +1,10 @@
 """The generated series on disk (``patches/series`` and its patch files), and applying it with ``git apply``.
 
-One reader of ``patches/series`` and one "scratch tree + ``git apply`` in order" for its three users: fork
-mode (which applies the ``torch/...`` parts to the installed torch), the sync check (which compares the
-result with the overlay) and the ghstack export (which ``git am``s the files in order).
+``patches/series`` is the upstream series, made for the newest base. A base that needs more (a backport of a
+fix that upstream made after it) has its own index, ``patches/series-<version>``, over the same patch files.
+One reader of those indexes and one "scratch tree + ``git apply`` in order" for their three users: fork mode
+(which applies the ``torch/...`` parts to the installed torch), the sync check (which compares the result
+with the overlay) and the ghstack export (which ``git am``s the files in order).
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ class PatchApplyError(RuntimeError):
         self.stderr = stderr
 
 
-def read_series(patches_dir: Path) -> list[Path]:
-    """The patch files in order, as ``patches/series`` lists them; each is checked to exist."""
-    index = patches_dir / SERIES_FILE
+def series_index(patches_dir: Path, base_version: str | None = None) -> Path:
+    """The index of a base's series: ``series-<version>`` where the base has one, else ``series``."""
+    own = patches_dir / f"{SERIES_FILE}-{base_version}"
+    return own if base_version is not None and own.is_file() else patches_dir / SERIES_FILE
+
+
+def read_series(patches_dir: Path, base_version: str | None = None) -> list[Path]:
+    """The patch files of a base's series (None: the upstream series) in order; each is checked to exist."""
+    index = series_index(patches_dir, base_version)
     try:
         names = index.read_text(encoding="utf-8").split()
     except OSError as e:

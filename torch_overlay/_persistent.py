@@ -8,11 +8,10 @@ broken package costs one line on stderr instead of a traceback from ``site``.
 
 from __future__ import annotations
 
-import os
 import sysconfig
-import tempfile
 from pathlib import Path
 
+from torch_overlay._atomic import write_atomically
 from torch_overlay._guard import require_base
 
 HOOK_FILE_NAME = "torch_overlay_startup.pth"
@@ -65,17 +64,9 @@ def install_hook(site_packages: Path | None = None) -> tuple[Path, bool]:
     path = hook_path(site_packages)
     if hook_is_current(path):
         return path, False
-    fd, tmp = tempfile.mkstemp(prefix=".torch_overlay-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(hook_text(path))
-        # NOTE: mkstemp creates 0600, and site skips a .pth it cannot read without a word: every other user of
-        # a shared environment would silently run stock torch.
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # NOTE: readable by all: site skips a .pth it cannot read without a word, and every other user of a shared
+    # environment would silently run stock torch.
+    write_atomically(path, hook_text(path).encode("utf-8"), mode=0o644)
     return path, True
 
 

@@ -47,8 +47,7 @@ class OverlayStatus:
         rows = []
         if self.base is not None:
             rows.append(("torch", f"{self.base.found_version} at {self.base.torch_dir}"))
-            verdict = "matches" if self.base.ok else "MISMATCH"
-            rows.append(("base", f"torch {self.base.expected_version}, {len(self.base.files)} files: {verdict}"))
+            rows.append(("base", self.base.summary()))
         else:
             rows.append(("torch", f"not found ({self.base_error})"))
         hook = self.persistent_hook
@@ -73,6 +72,8 @@ class OverlayStatus:
         name_width = max(len(name) for name, _ in self.process.modules) + 2
         lines += [f"  {name:<{name_width}}{state.value}" for name, state in self.process.modules]
         lines += [f"problem: {p}" for p in self.problems()]
+        if self.base is not None and self.base.warning:
+            lines.append(f"warning: {self.base.warning}")
         return "\n".join(lines)
 
 
