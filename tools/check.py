@@ -1,10 +1,13 @@
-"""The sync check (part of ``make check``): ``patches/`` and the overlay must never drift apart.
+"""The sync check (part of ``make check``): ``patches/`` and the overlay must never drift apart, on any base.
 
-Fails, naming the file, when the manifest's base does not match the pristine base, when regenerating the
-series does not give ``patches/`` byte for byte, when a patch does not ``git apply`` in order onto the
-pristine base, or when the applied series differs from the overlay files or the tests.
+Fails, naming the file, when regenerating the series does not give ``patches/`` byte for byte, when the
+package's torch requirement does not cover exactly the manifest's bases, or, for any base, when its series
+(``patches/series`` or ``patches/series-<version>``) does not ``git apply`` in order onto that base's
+pristine files, or gives anything but the overlay: the payload itself where the base's file is the payload's
+base file, else our change transplanted onto the base's file (a clean 3-way merge), without the backports
+the base does not need.
 
-    python -m tools.check [--wheel TORCH_WHEEL_OR_DIR]
+    python -m tools.check [--wheel TORCH_WHEEL_OR_DIR ...]
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from tools.patches import (
     new_side_problems,
     read_upstream_edit,
 )
-from tools.pristine import BaseSourceError, pristine_base
-from tools.project import Project, default_project
-from tools.series import SeriesError, load_series
+from tools.pristine import BaseSourceError, Pristine, pristine
+from tools.project import Project, default_project, torch_requirement
+from tools.series import Patch, SeriesError, file_states, load_series, series_for
+from torch_overlay import _git
+from torch_overlay._manifest import Base
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
 
 
@@ -43,49 +48,88 @@ def drift(project: Project, expected: dict[str, bytes]) -> list[str]:
     return problems
 
 
-def apply_problems(project: Project, base: dict[str, bytes]) -> list[str]:
-    """Apply ``patches/series`` in order with ``git apply`` onto the base; compare with the overlay and tests."""
-    try:
-        patch_files = read_series(project.patches_dir)
-    except SeriesMissingError as e:
-        return [str(e)]
+def requirement_problems(project: Project) -> list[str]:
+    expected, found = torch_requirement(project.manifest()), project.declared_requirement()
+    if found == expected:
+        return []
+    return [f"pyproject.toml: the torch dependency is {found!r}; the bases in manifest.json need {expected!r}"]
+
+
+def expected_files(project: Project, found: Pristine, base: Base, needed: list[Patch]) -> dict[str, bytes]:
+    """What the series of ``base`` must turn its pristine files into; raises PatchError if not well defined."""
+    manifest = project.manifest()
+    payload_base = found.files(manifest.payload_base)
     patches = load_series(project.series_toml)
-    edited = [path for p in patches for path in p.upstream_test_edits]
-    # NOTE: upstream test files are not in the wheel; their edits are checked against test/ below.
+    state = file_states(patches, payload_base, project.overlay_files())[len(needed) - 1] if needed else payload_base
+    files = found.files(base)
+    expected = {}
+    for path, content in files.items():
+        if content == payload_base[path]:
+            expected[path] = state[path]
+            continue
+        labels = (f"overlay/{path}", f"torch-{manifest.payload_base.version}/{path}", f"torch-{base.version}/{path}")
+        conflicts, merged = _git.merge_file(state[path], payload_base[path], content, labels)
+        if conflicts:
+            raise PatchError(
+                f"{path}: our change does not merge cleanly onto torch {base.version}'s file ({conflicts} "
+                "conflicting hunks); the one payload cannot serve this base (README, 'Add a torch release')"
+            )
+        expected[path] = merged
+    return expected
+
+
+def base_problems(project: Project, found: Pristine, base: Base) -> list[str]:
+    """Apply the base's series in order with ``git apply`` onto its pristine files; compare with the overlay."""
+    where = f"torch {base.version}"
     try:
-        tree = apply_series(base, patch_files, [f"--exclude={path}" for path in edited])
+        files = found.files(base)
+        patch_files = read_series(project.patches_dir, base.version)
+        patches = load_series(project.series_toml)
+        needed = series_for(patches, base.version)
+        expected = expected_files(project, found, base, needed)
+    except (BaseSourceError, SeriesMissingError, SeriesError, PatchError) as e:
+        return [f"{where}: {e}"]
+    edited = [path for p in patches for path in p.upstream_test_edits]
+    # NOTE: upstream test files are not in the wheel; their edits are checked against test/ in check().
+    try:
+        tree = apply_series(files, patch_files, [f"--exclude={path}" for path in edited])
     except PatchApplyError as e:
-        return [f"patches/{e.patch.name}: does not apply in order onto the pristine base: {e.stderr}"]
+        return [f"{where}: patches/{e.patch.name}: does not apply in order onto the pristine files: {e.stderr}"]
     problems = []
-    for path, content in project.overlay_files().items():
+    for path, content in expected.items():
         if tree.get(path) != content:
-            problems.append(f"{path}: the applied series differs from the overlay file torch_overlay/{path}")
-    for path in [t for p in patches for t in p.tests]:
+            problems.append(f"{where}: {path}: the applied series differs from the overlay file torch_overlay/{path}")
+    for path in [t for p in needed for t in p.tests]:
         if path not in tree:
-            problems.append(f"{path}: not created by the applied series (patches/ is stale); run `make patches`")
+            problems.append(f"{where}: {path}: not created by the applied series (patches/ is stale)")
         elif not project.repo_file(path).is_file():
             problems.append(f"{path}: in the applied series but missing in this repo; restore it or drop it")
         elif tree[path] != project.repo_file(path).read_bytes():
-            problems.append(f"{path}: the applied series differs from the test file in this repo")
-    for path in edited:
+            problems.append(f"{where}: {path}: the applied series differs from the test file in this repo")
+    return problems
+
+
+def check(project: Project, sources: list[Path] = ()) -> list[str]:
+    """Every sync problem, one line each, naming the base and the file; empty when everything agrees."""
+    try:
+        found = pristine(project, list(sources))
+        expected = generate(project, found)
+    except (BaseSourceError, PatchError, SeriesError) as e:
+        return [str(e)]
+    problems = drift(project, expected) + requirement_problems(project)
+    for base in project.manifest().bases:
+        problems += base_problems(project, found, base)
+    for path in [path for p in load_series(project.series_toml) for path in p.upstream_test_edits]:
         if project.repo_file(path).is_file():
             problems += new_side_problems(project, read_upstream_edit(project, path), project.repo_file(path))
     return problems
 
 
-def check(project: Project, source: Path | None = None) -> list[str]:
-    """Every sync problem, one line each, naming the file; empty when the three faces agree."""
-    try:
-        base = pristine_base(project.manifest(), source)
-        expected = generate(project, base)
-    except (BaseSourceError, PatchError, SeriesError) as e:
-        return [str(e)]
-    return drift(project, expected) + apply_problems(project, base)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.check", description=__doc__.splitlines()[0])
-    parser.add_argument("--wheel", type=Path, help="torch wheel or site-packages-like directory holding the base")
+    parser.add_argument(
+        "--wheel", type=Path, action="append", default=[], help="a torch wheel or site-packages-like directory"
+    )
     parser.add_argument("--root", type=Path, default=None, help="project root (default: this repo)")
     args = parser.parse_args(argv)
     project = Project(args.root) if args.root else default_project()
@@ -93,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"sync check failed: {problem}", file=sys.stderr)
     if not problems:
-        print("sync check passed: patches/ reproduces the overlay and its tests from the pristine base")
+        versions = ", ".join(project.manifest().versions)
+        print(f"sync check passed: patches/ reproduces the overlay and its tests on every base ({versions})")
     return 1 if problems else 0
 
 

@@ -1,10 +1,11 @@
 """``make ghstack PYTORCH_DIR=...``: the series as a ghstack stack, one commit (and one PR) per patch.
 
-A branch is created from the PyTorch checkout's HEAD, every patch of ``patches/series`` is committed onto it
+A branch is created from the PyTorch checkout's HEAD, every patch of the base's series is committed onto it
 with ``git am`` (so each commit carries the patch's title and message), then ``ghstack submit`` runs there
-with the arguments given after ``--``.
+with the arguments given after ``--``. The base is the installed torch's (``--base`` overrides it): the newest
+base's series is the upstream one; an older base's also carries the backports it needs.
 
-    python -m tools.ghstack_export --pytorch-dir ~/pytorch [--branch torch-overlay] [-- GHSTACK_SUBMIT_ARGS]
+    python -m tools.ghstack_export --pytorch-dir ~/pytorch [--base X.Y.Z] [--branch torch-overlay] [-- ARGS]
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from tools.project import default_project
 from torch_overlay._git import git_env
 from torch_overlay._git import run as _git_run
+from torch_overlay._guard import BaseMismatchError, check_base
+from torch_overlay._manifest import load_manifest
 from torch_overlay._patchset import SeriesMissingError, read_series
 
 DEFAULT_BRANCH = "torch-overlay"
@@ -34,16 +37,25 @@ def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def series_patches(patches_dir: Path) -> list[Path]:
+def installed_base() -> str:
+    """The base of the installed torch, or the newest base (the upstream series) when it matches none."""
     try:
-        return read_series(patches_dir)
+        matched = check_base().matched
+    except BaseMismatchError:
+        matched = None
+    return (matched or load_manifest().payload_base).version
+
+
+def series_patches(patches_dir: Path, base_version: str) -> list[Path]:
+    try:
+        return read_series(patches_dir, base_version)
     except SeriesMissingError as e:
         raise ExportError(str(e)) from e
 
 
-def export_stack(pytorch_dir: Path, patches_dir: Path, branch: str = DEFAULT_BRANCH) -> list[str]:
-    """Commit every patch onto a new ``branch`` of ``pytorch_dir``; returns the commit hashes, oldest first."""
-    patches = series_patches(patches_dir)
+def export_stack(pytorch_dir: Path, patches_dir: Path, base_version: str, branch: str = DEFAULT_BRANCH) -> list[str]:
+    """Commit the base's patches onto a new ``branch`` of ``pytorch_dir``; returns the commits, oldest first."""
+    patches = series_patches(patches_dir, base_version)
     if _git(pytorch_dir, "rev-parse", "--git-dir").returncode != 0:
         raise ExportError(f"{pytorch_dir}: not a git checkout of PyTorch (PYTORCH_DIR=...)")
     if _git(pytorch_dir, "status", "--porcelain", "--untracked-files=no").stdout.strip():
@@ -72,8 +84,8 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, branch: str = DEFAULT_BRA
                 left = f"The checkout was left as it was ({where})."
             raise ExportError(
                 f"{patch.name} does not apply to {pytorch_dir} at {where}: {applied.stderr.strip()}\n{left} "
-                "Check out the series' base (torch/version.py git_version of the base wheel) or rebase the "
-                "overlay (README, 'Rebase onto a newer torch')."
+                f"Check out torch {base_version}'s commit (torch/version.py git_version of its wheel), or pick "
+                "another base with --base."
             )
     log = _git(pytorch_dir, "rev-list", "--reverse", f"-{len(patches)}", "HEAD").stdout.split()
     return log
@@ -83,15 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.ghstack_export", description=__doc__.splitlines()[0])
     parser.add_argument("--pytorch-dir", type=Path, required=True, help="a git checkout of pytorch/pytorch")
     parser.add_argument("--branch", default=DEFAULT_BRANCH, help=f"branch to create (default {DEFAULT_BRANCH})")
+    parser.add_argument("--base", default=None, help="whose series (default: the installed torch's base)")
     parser.add_argument("--no-submit", action="store_true", help="build the branch only")
     parser.add_argument("ghstack_args", nargs="*", help="passed to `ghstack submit` (after --)")
     args = parser.parse_args(argv)
     try:
-        commits = export_stack(args.pytorch_dir, default_project().patches_dir, args.branch)
+        base = args.base or installed_base()
+        if load_manifest().base(base) is None:
+            raise ExportError(f"--base {base} is not a base ({', '.join(load_manifest().versions)})")
+        commits = export_stack(args.pytorch_dir, default_project().patches_dir, base, args.branch)
     except ExportError as e:
         print(f"make ghstack: {e}", file=sys.stderr)
         return 1
-    print(f"make ghstack: {len(commits)} commits on branch {args.branch} of {args.pytorch_dir}")
+    print(f"make ghstack: {len(commits)} commits (torch {base}'s series) on branch {args.branch} of {args.pytorch_dir}")
     if args.no_submit:
         return 0
     return subprocess.run(

@@ -1,10 +1,12 @@
 """``make patches``: write ``patches/`` (a git format-patch series and its ``series`` file) from the overlay.
 
-Inputs: the pristine base (see :mod:`tools.pristine`), the overlay files, ``patches/series.toml`` and the
-tests it names. Each patch's state is committed in a scratch git repository with a fixed author and date,
-and ``git format-patch`` writes the series, so regenerating from the same inputs is byte-identical.
+Inputs: the pristine files of the newest base (see :mod:`tools.pristine`), the overlay files,
+``patches/series.toml`` and the tests it names. Each patch's state is committed in a scratch git repository
+with a fixed author and date, and ``git format-patch`` writes the series, so regenerating from the same
+inputs is byte-identical. ``patches/series`` lists the upstream series (what the newest base needs); a base
+that also needs backports gets ``patches/series-<version>``.
 
-    python -m tools.patches [--wheel TORCH_WHEEL_OR_DIR]
+    python -m tools.patches [--wheel TORCH_WHEEL_OR_DIR ...]
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.pristine import BaseSourceError, pristine_base
+from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
-from tools.series import Patch, SeriesError, file_states, load_series
+from tools.series import Patch, SeriesError, file_states, load_series, series_for
 from torch_overlay import _git
 from torch_overlay._patchset import SERIES_FILE
 
@@ -88,6 +90,14 @@ def new_side_problems(project: Project, edit: UpstreamEdit, local: Path) -> list
 
 def commit_message(patch: Patch, edits: list[UpstreamEdit], version: str) -> str:
     parts = [patch.title, "Summary:\n" + patch.summary]
+    if patch.fixed_upstream_in is not None:
+        parts.append(
+            textwrap.fill(
+                f"Backport only: torch {patch.fixed_upstream_in} fixed this upstream, so this patch is for the "
+                f"releases before it and is not part of the upstream series (patches/series).",
+                width=72,
+            )
+        )
     for edit in edits:
         parts.append(
             textwrap.fill(
@@ -114,11 +124,32 @@ def _splice(patch_text: str, edits: list[UpstreamEdit]) -> str:
     return head + "\n" + "".join(sections)
 
 
-def generate(project: Project, base: dict[str, bytes]) -> dict[str, bytes]:
+def series_indexes(manifest_versions: tuple[str, ...], patches: list[Patch], names: list[str]) -> dict[str, bytes]:
+    """``series`` (the newest base's: the upstream series) and ``series-<version>`` where a base needs more."""
+
+    def index(version: str) -> bytes:
+        return "".join(n + "\n" for n, p in zip(names, patches, strict=True) if p.needed_on(version)).encode()
+
+    newest = index(manifest_versions[-1])
+    out = {SERIES_FILE: newest}
+    for version in manifest_versions[:-1]:
+        if index(version) != newest:
+            out[f"{SERIES_FILE}-{version}"] = index(version)
+    return out
+
+
+def generate(project: Project, found: Pristine) -> dict[str, bytes]:
     """The contents of ``patches/`` (except series.toml), by file name."""
     manifest = project.manifest()
+    base = found.files(manifest.payload_base)
     try:
         patches = load_series(project.series_toml)
+        unneeded = [p.name for p in patches if p not in series_for(patches, manifest.bases[0].version)]
+        if unneeded:
+            raise SeriesError(
+                f"{project.series_toml}: {', '.join(unneeded)}: fixed upstream at or before the oldest base, "
+                f"torch {manifest.bases[0].version}; no base needs it, drop it from the series"
+            )
         states = file_states(patches, base, project.overlay_files())
     except SeriesError as e:
         raise PatchError(str(e)) from e
@@ -129,7 +160,7 @@ def generate(project: Project, base: dict[str, bytes]) -> dict[str, bytes]:
         git(repo, "init", "--quiet", "-b", "base")
         _write(repo, base)
         git(repo, "add", "--all")
-        git(repo, "commit", "--quiet", "-m", f"{manifest.package} {manifest.version}")
+        git(repo, "commit", "--quiet", "-m", f"{manifest.package} {manifest.payload_base.version}")
         git(repo, "tag", "pristine")
         all_edits = []
         for patch, state in zip(patches, states, strict=True):
@@ -143,7 +174,7 @@ def generate(project: Project, base: dict[str, bytes]) -> dict[str, bytes]:
             edits = [read_upstream_edit(project, p) for p in patch.upstream_test_edits]
             all_edits.append(edits)
             git(repo, "add", "--all")
-            message = commit_message(patch, edits, manifest.version)
+            message = commit_message(patch, edits, manifest.payload_base.version)
             git(repo, "commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-", input=message)
         names = [f"{k:04d}-{p.name}.patch" for k, p in enumerate(patches, 1)]
         formatted = Path(tmp) / "formatted"
@@ -155,7 +186,7 @@ def generate(project: Project, base: dict[str, bytes]) -> dict[str, bytes]:
         assert len(written) == len(names), f"git format-patch wrote {len(written)} patches for {len(names)}"
         for name, file, edits in zip(names, written, all_edits, strict=True):
             out[name] = _splice(file.read_text(encoding="utf-8"), edits).encode("utf-8")
-        out[SERIES_FILE] = ("".join(n + "\n" for n in names)).encode("utf-8")
+        out.update(series_indexes(manifest.versions, patches, names))
     return out
 
 
@@ -167,7 +198,8 @@ def _write(repo: Path, files: dict[str, bytes]) -> None:
 
 
 def generated_files(patches_dir: Path) -> list[Path]:
-    return sorted(patches_dir.glob("[0-9][0-9][0-9][0-9]-*.patch")) + [patches_dir / SERIES_FILE]
+    indexes = sorted(patches_dir.glob(f"{SERIES_FILE}-*"))
+    return sorted(patches_dir.glob("[0-9][0-9][0-9][0-9]-*.patch")) + [patches_dir / SERIES_FILE] + indexes
 
 
 def write(project: Project, files: dict[str, bytes]) -> list[str]:
@@ -182,14 +214,15 @@ def write(project: Project, files: dict[str, bytes]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.patches", description="Write patches/ from the overlay.")
-    parser.add_argument("--wheel", type=Path, help="torch wheel or site-packages-like directory holding the base")
+    parser.add_argument(
+        "--wheel", type=Path, action="append", default=[], help="a torch wheel or site-packages-like directory"
+    )
     parser.add_argument("--root", type=Path, default=None, help="project root (default: this repo)")
     args = parser.parse_args(argv)
     project = Project(args.root) if args.root else default_project()
     try:
-        base = pristine_base(project.manifest(), args.wheel)
-        files = generate(project, base)
-    except (BaseSourceError, PatchError) as e:
+        files = generate(project, pristine(project, args.wheel))
+    except (BaseSourceError, PatchError, SeriesError) as e:
         print(f"make patches: {e}", file=sys.stderr)
         return 1
     for name in write(project, files):

@@ -6,10 +6,12 @@ synthetic project in a temporary directory.
 
 from __future__ import annotations
 
+import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_overlay._manifest import Manifest, load_manifest
+from torch_overlay._manifest import Manifest, load_manifest, version_key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,8 +32,20 @@ class Project:
     def series_toml(self) -> Path:
         return self.patches_dir / "series.toml"
 
+    @property
+    def pyproject(self) -> Path:
+        return self.root / "pyproject.toml"
+
     def manifest(self) -> Manifest:
         return load_manifest(self.manifest_path)
+
+    def declared_requirement(self) -> str | None:
+        """The ``torch`` requirement in pyproject.toml's ``[project] dependencies``, or None."""
+        try:
+            deps = tomllib.loads(self.pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return None
+        return next((d for d in deps if re.match(r"torch\b", d)), None)
 
     def overlay_file(self, path: str) -> Path:
         """Our version of upstream file ``path`` (``torch/...``)."""
@@ -46,6 +60,16 @@ class Project:
 
     def upstream_edit_file(self, path: str) -> Path:
         return self.root / "test" / "upstream_edits" / (path + ".diff")
+
+
+def torch_requirement(manifest: Manifest) -> str:
+    """The package's dependency: every release from the oldest base's minor to the newest base's, no other.
+
+    A range, not a pin, so that installing torch-overlay into an environment of any supported release installs
+    nothing over the user's torch; bounded above, so that it never pulls an unsupported (and large) release.
+    """
+    oldest, newest = version_key(manifest.bases[0].version), version_key(manifest.bases[-1].version)
+    return f"torch>={oldest[0]}.{oldest[1]},<{newest[0]}.{newest[1] + 1}"
 
 
 def default_project() -> Project:

@@ -1,44 +1,43 @@
-"""Rebase the overlay onto another torch: a 3-way merge of our changes onto its versions of the files.
+"""``make rebase UPSTREAM=<wheel|dir>``: add a torch release as a base of the overlay, in place.
 
-For each manifest file, ``git merge-file`` merges ours (the overlay) with theirs (the new upstream file) over
-the pristine base. Each file is reported clean or conflicted. Only when every file is clean, a new project is
-written to ``--out`` (never in place, so nothing is half-rebased): every file git tracks in this project,
-with the merged overlay files, a manifest for the new base (version and sha256) and a regenerated
-``patches/`` when the series' claims still split the merged changes. Review it, run its ``make check`` and
-``make test``, then copy it over this repo.
+For each manifest file, ``git merge-file`` merges ours (the overlay) with theirs (the release's file) over the
+payload base's pristine file, and each file is reported clean or conflicted. Then:
 
-``--out`` must not be the project, contain it, or lie inside it other than in a git-ignored directory (such
-as ``build/``); an existing ``--out`` is replaced only when it is empty or a previous rebase's output (it
-holds the marker file ``.torch-overlay-rebase``). The project is written to a temporary sibling first and
-renamed into place.
+- a conflict: the merges, conflict markers included, are written to ``build/rebase-<version>/`` and nothing
+  in the project changes;
+- a runtime file (one the overlay serves at run time) that the release changed upstream: the one payload
+  cannot serve both this release and the others, so the merges go to ``build/rebase-<version>/`` for review
+  and nothing changes;
+- otherwise the release joins ``manifest.json`` (its files' sha256), the torch requirement in
+  ``pyproject.toml`` widens to cover it, a newer release's docstring-only files become the payload (the merge),
+  ``patches/`` is regenerated and the sync check runs on every base. If the check fails, every file is put
+  back as it was.
 
-    python -m tools.rebase --upstream NEW_TORCH_WHEEL_OR_SITE_PACKAGES_DIR --out build/rebase [--version X.Y.Z]
+    python -m tools.rebase --upstream NEW_TORCH_WHEEL_OR_SITE_PACKAGES_DIR [--version X.Y.Z]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.patches import PatchError, generate, write
-from tools.pristine import BaseSourceError, pristine_base, read_files, read_paths
-from tools.project import Project, default_project
+from tools.check import check
+from tools.patches import PatchError, generate, generated_files, write
+from tools.pristine import BaseSourceError, pristine, read_paths
+from tools.project import Project, default_project, torch_requirement
 from torch_overlay import _git
-from torch_overlay._guard import public_version, read_torch_version
-from torch_overlay._manifest import sha256_hex
-
-MARKER = ".torch-overlay-rebase"
-"""Written at the top of every rebase output: only such a directory (or an empty one) is ever replaced."""
+from torch_overlay._atomic import write_atomically
+from torch_overlay._guard import read_torch_version
+from torch_overlay._manifest import load_manifest, public_version, sha256_hex, version_key
 
 
 class RebaseError(RuntimeError):
-    """The rebased project cannot be written where asked; nothing was written or removed."""
+    """The release cannot be added; nothing in the project was changed."""
 
 
 @dataclass(frozen=True)
@@ -49,20 +48,12 @@ class MergeResult:
     """The merge; with conflict markers when ``conflicts``."""
 
 
-def merge(base: dict[str, bytes], ours: dict[str, bytes], theirs: dict[str, bytes]) -> list[MergeResult]:
+def merge(base: dict[str, bytes], ours: dict[str, bytes], theirs: dict[str, bytes], version: str) -> list[MergeResult]:
     results = []
-    with tempfile.TemporaryDirectory(prefix="torch-overlay-rebase-") as tmp:
-        for path in base:
-            files = []
-            for label, content in [("ours", ours), ("base", base), ("theirs", theirs)]:
-                f = Path(tmp) / label
-                f.write_bytes(content[path])
-                files.append(str(f))
-            labels = ["-L", f"overlay/{path}", "-L", f"base/{path}", "-L", f"upstream/{path}"]
-            proc = _git.run(Path(tmp), "merge-file", "-p", *labels, *files)
-            if proc.returncode < 0 or proc.returncode > 127:
-                raise RuntimeError(f"git merge-file failed on {path}: {proc.stderr.decode()}")
-            results.append(MergeResult(path, proc.returncode, proc.stdout))
+    for path in base:
+        labels = (f"overlay/{path}", f"base/{path}", f"torch-{version}/{path}")
+        conflicts, merged = _git.merge_file(ours[path], base[path], theirs[path], labels)
+        results.append(MergeResult(path, conflicts, merged))
     return results
 
 
@@ -81,112 +72,135 @@ def upstream_version(source: Path) -> str | None:
     return public_version(version) if version else None
 
 
-def check_out(project: Project, out: Path) -> None:
-    """Refuse an ``out`` whose replacement could destroy anything but a previous rebase output."""
-    root, target = project.root.resolve(), out.resolve()
-    if target == root or target in root.parents:
-        raise RebaseError(f"--out {out} is the project {root} or contains it; pass a directory outside it")
-    if root in target.parents and _git.run(root, "check-ignore", "--quiet", str(target)).returncode != 0:
-        raise RebaseError(
-            f"--out {out} is inside the project {root} and not git-ignored; pass a directory outside it or under "
-            "an ignored one such as build/"
-        )
-    if target.exists() and not (target.is_dir() and (not any(target.iterdir()) or (target / MARKER).is_file())):
-        raise RebaseError(
-            f"--out {out} exists and is not a previous rebase output (no {MARKER} in it); nothing was written. "
-            "Remove it yourself or pass another --out."
-        )
+def review_dir(project: Project, version: str) -> Path:
+    """Where merges that cannot be added go for review (under the ignored ``build/``)."""
+    return project.root / "build" / f"rebase-{version}"
 
 
-def tracked_files(project: Project) -> list[str]:
-    """The project's files as git tracks them (their working-tree content is what gets copied)."""
+def write_for_review(project: Project, version: str, results: list[MergeResult]) -> Path:
+    out = review_dir(project, version)
+    for r in results:
+        (out / r.path).parent.mkdir(parents=True, exist_ok=True)
+        (out / r.path).write_bytes(r.merged)
+    return out
+
+
+def new_manifest_text(project: Project, version: str, theirs: dict[str, bytes]) -> bytes:
+    raw = json.loads(project.manifest_path.read_text(encoding="utf-8"))
+    raw["bases"].append({"version": version, "sha256": {p: sha256_hex(c) for p, c in theirs.items()}})
+    raw["bases"].sort(key=lambda b: version_key(b["version"]))
+    return (json.dumps(raw, indent=2) + "\n").encode("utf-8")
+
+
+def new_pyproject_text(project: Project, requirement: str) -> bytes:
+    text = project.pyproject.read_text(encoding="utf-8")
+    declared = project.declared_requirement()
+    if declared is None:
+        raise RebaseError(f"{project.pyproject}: no torch dependency in [project] dependencies to widen")
+    return re.sub(f'"{re.escape(declared)}"', f'"{requirement}"', text, count=1).encode("utf-8")
+
+
+def add_base(project: Project, upstream: Path, version: str, results: list[MergeResult]) -> list[str]:
+    """Write the new base into the project; on any failure (the sync check included) put every file back.
+
+    Returns the sync check's problems (empty: added).
+    """
+    manifest = project.manifest()
+    theirs = read_paths(upstream, [m.path for m in manifest.modules])
+    becomes_newest = version_key(version) > version_key(manifest.payload_base.version)
+    touched = [project.manifest_path, project.pyproject, *generated_files(project.patches_dir)]
+    touched += [project.overlay_file(m.path) for m in manifest.modules]
+    saved = {path: path.read_bytes() for path in touched if path.is_file()}
     try:
-        listing = _git.git(project.root, "ls-files", "-z")
-    except _git.GitError as e:
-        raise RebaseError(f"{project.root}: cannot list the tracked files (is it a git checkout?): {e}") from e
-    return [p for p in listing.split("\0") if p and (project.root / p).is_file()]
-
-
-def write_rebased(
-    project: Project, out: Path, results: list[MergeResult], theirs: dict[str, bytes], version: str
-) -> str:
-    """Write the rebased project to ``out``; returns what happened to patches/. Raises RebaseError, writing nothing."""
-    check_out(project, out)
-    files = tracked_files(project)
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.rebase-", dir=out.resolve().parent))
-    try:
-        for path in files:
-            (tmp / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(project.root / path, tmp / path, follow_symlinks=False)
-        (tmp / MARKER).write_text(f"written by python -m tools.rebase from {project.root}\n", encoding="utf-8")
-        rebased = Project(tmp)
-        manifest = json.loads(project.manifest_path.read_text(encoding="utf-8"))
-        manifest["base"]["version"] = version
-        for module in manifest["modules"]:
-            module["base_sha256"] = sha256_hex(theirs[module["path"]])
-        rebased.manifest_path.parent.mkdir(parents=True, exist_ok=True)
-        rebased.manifest_path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        for r in results:
-            rebased.overlay_file(r.path).parent.mkdir(parents=True, exist_ok=True)
-            rebased.overlay_file(r.path).write_bytes(r.merged)
-        try:
-            names = write(rebased, generate(rebased, theirs))
-            outcome = f"patches/ regenerated: {', '.join(names)}"
-        except PatchError as e:
-            outcome = f"patches/ NOT regenerated, fix series.toml claims first:\n{e}"
-        _swap_into_place(tmp, out.resolve())
+        write_atomically(project.manifest_path, new_manifest_text(project, version, theirs))
+        write_atomically(project.pyproject, new_pyproject_text(project, torch_requirement(project.manifest())))
+        if becomes_newest:  # the payload is the newest base's files plus our change
+            for r in results:
+                write_atomically(project.overlay_file(r.path), r.merged)
+        write(project, generate(project, pristine(project, [upstream])))
+        problems = check(project, [upstream])
+    except (PatchError, BaseSourceError, OSError) as e:
+        problems = [str(e)]
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _restore(project, saved)
         raise
-    return outcome
+    if problems:
+        _restore(project, saved)
+    return problems
 
 
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Rename ``tmp`` to ``target``; a previous output there (checked by :func:`check_out`) goes away after."""
-    if not target.exists():
-        os.replace(tmp, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.replace(target, old)
-    os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
+def _restore(project: Project, saved: dict[Path, bytes]) -> None:
+    for stale in generated_files(project.patches_dir):
+        if stale not in saved:
+            stale.unlink(missing_ok=True)
+    for path, content in saved.items():
+        write_atomically(path, content)
+
+
+def rebase(project: Project, upstream: Path, version: str | None = None) -> int:
+    """Add the release at ``upstream``; prints what happened, returns an exit code (0 added or already there)."""
+    manifest = project.manifest()
+    version = version or upstream_version(upstream)
+    if version is None:
+        raise RebaseError(f"{upstream} has no torch/version.py; pass --version")
+    theirs = read_paths(upstream, [m.path for m in manifest.modules])
+    listed = manifest.base(version)
+    if listed is not None:
+        if all(sha256_hex(theirs[p]) == h for p, h in listed.sha256.items()):
+            print(f"rebase: torch {version} is already a base, with these files; nothing changed")
+            return 0
+        raise RebaseError(
+            f"torch {version} is already a base, but {upstream}'s files differ from the ones manifest.json records "
+            "for it (edited, or another build); nothing changed"
+        )
+    found = pristine(project, [upstream])
+    base = found.files(manifest.payload_base)
+    results = merge(base, project.overlay_files(), theirs, version)
+    for r in results:
+        print(f"{r.path}: {'clean' if not r.conflicts else f'CONFLICT ({r.conflicts} conflicting hunks)'}")
+    if any(r.conflicts for r in results):
+        out = write_for_review(project, version, results)
+        print(f"rebase: conflicts; nothing changed. The merges, with conflict markers, are in {out}", file=sys.stderr)
+        return 1
+    changed = [m.path for m in manifest.runtime_modules if theirs[m.path] != base[m.path]]
+    if changed:
+        out = write_for_review(project, version, results)
+        print(
+            f"rebase: torch {version} changed {', '.join(changed)} upstream, a file the overlay serves at run time; "
+            f"one payload cannot serve it and the other bases ({', '.join(manifest.versions)}). Nothing changed. "
+            f"The clean merges are in {out} for review.",
+            file=sys.stderr,
+        )
+        return 1
+    problems = add_base(project, upstream, version, results)
+    for problem in problems:
+        print(f"rebase: sync check failed: {problem}", file=sys.stderr)
+    if problems:
+        print(f"rebase: torch {version} was not added; every file was put back as it was", file=sys.stderr)
+        return 1
+    versions = ", ".join(load_manifest(project.manifest_path).versions)
+    print(f"rebase: torch {version} added; the bases are now {versions}; patches/ regenerated; sync check passed")
+    print(
+        f"Next: `make install TORCH={version} && make test TORCH={version}` (the stock stage tells which fixes "
+        "upstream made), then the README's table of releases."
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.rebase", description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream", type=Path, required=True, help="new torch wheel, or directory holding torch/")
-    parser.add_argument("--out", type=Path, default=Path("build/rebase"), help="where the rebased project goes")
-    parser.add_argument("--version", help="version of the new upstream (default: its torch/version.py)")
-    parser.add_argument("--wheel", type=Path, help="the pristine base (default: installed torch)")
+    parser.add_argument("--upstream", type=Path, required=True, help="the release's wheel, or a dir holding torch/")
+    parser.add_argument("--version", help="its version (default: its torch/version.py)")
     parser.add_argument("--root", type=Path, default=None, help="project root (default: this repo)")
     args = parser.parse_args(argv)
     project = Project(args.root) if args.root else default_project()
-    manifest = project.manifest()
     try:
-        base = pristine_base(manifest, args.wheel)
-        theirs = read_files(manifest, args.upstream)
-    except BaseSourceError as e:
+        if not args.upstream.exists():
+            raise RebaseError(f"{args.upstream}: no such wheel or directory (UPSTREAM=)")
+        return rebase(project, args.upstream, args.version)
+    except (RebaseError, BaseSourceError) as e:
         print(f"rebase: {e}", file=sys.stderr)
         return 1
-    version = args.version or upstream_version(args.upstream)
-    if version is None:
-        print(f"rebase: {args.upstream} has no torch/version.py; pass --version", file=sys.stderr)
-        return 1
-    results = merge(base, project.overlay_files(), theirs)
-    for r in results:
-        print(f"{r.path}: {'clean' if not r.conflicts else f'CONFLICT ({r.conflicts} conflicting hunks)'}")
-    if any(r.conflicts for r in results):
-        print(f"rebase: conflicts; nothing written. Resolve them by hand on torch {version}.", file=sys.stderr)
-        return 1
-    try:
-        outcome = write_rebased(project, args.out, results, theirs, version)
-    except RebaseError as e:
-        print(f"rebase: {e}", file=sys.stderr)
-        return 1
-    print(f"rebase: torch {manifest.version} -> {version}, all files clean; written to {args.out}")
-    print(outcome)
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 Each overlay file is diffed against its pristine base with zero context (difflib opcodes); every changed
 block must be claimed by exactly one patch. Patch k's version of a file is the base plus the blocks of
 patches 1..k, so applying the series in order rebuilds the overlay exactly.
+
+A patch whose bug upstream fixed in a later release (``fixed_upstream_in = "X.Y.Z"``) is a backport: it is in
+the series of the bases older than X.Y.Z only, not in the upstream series. Backports come after every other
+patch, so that each base's series is a prefix of the whole and applies without them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+from torch_overlay._manifest import version_key
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
@@ -38,6 +44,17 @@ class Patch:
     """New test files the patch adds whole (PyTorch checkout paths)."""
     upstream_test_edits: tuple[str, ...]
     """Upstream test files the patch edits; each diff lives at ``test/upstream_edits/<path>.diff``."""
+    fixed_upstream_in: str | None = None
+    """The torch release that fixed the bug upstream: from it on the patch is not needed (a backport)."""
+
+    def needed_on(self, version: str) -> bool:
+        """Whether a base of this version needs the patch (it still has the bug)."""
+        return self.fixed_upstream_in is None or version_key(version) < version_key(self.fixed_upstream_in)
+
+    @property
+    def test_files(self) -> tuple[str, ...]:
+        """Every test file the patch carries, new or edited."""
+        return self.tests + self.upstream_test_edits
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,7 @@ def load_series(path: Path) -> list[Patch]:
                     claims=claims,
                     tests=tuple(entry.get("tests", [])),
                     upstream_test_edits=tuple(entry.get("upstream_test_edits", [])),
+                    fixed_upstream_in=entry.get("fixed_upstream_in"),
                 )
             )
         except KeyError as e:
@@ -94,7 +112,18 @@ def load_series(path: Path) -> list[Patch]:
     names = [p.name for p in patches]
     if len(set(names)) != len(names):
         raise SeriesError(f"{path}: duplicate patch names in {names}")
+    backports = [k for k, p in enumerate(patches) if p.fixed_upstream_in is not None]
+    if backports and backports != list(range(len(patches) - len(backports), len(patches))):
+        raise SeriesError(
+            f"{path}: the backports ({', '.join(patches[k].name for k in backports)}, fixed upstream) must come "
+            "after every other patch, so that the upstream series applies without them; move them to the end"
+        )
     return patches
+
+
+def series_for(patches: list[Patch], version: str) -> list[Patch]:
+    """The patches a base of this version needs, in order (a prefix of the whole series)."""
+    return [p for p in patches if p.needed_on(version)]
 
 
 def changed_blocks(path: str, base: bytes, overlay: bytes) -> list[Block]:
