@@ -1,28 +1,46 @@
-# torch-overlay: every command runs in the project's own virtual environment, .venv.
+# torch-overlay: every command runs in the virtual environment of one base, .venv/$(TORCH).
+# The bases are the torch releases torch_overlay/manifest.json lists; TORCH picks one (default 2.13.0, a CPU wheel).
 PYTHON ?= python3
-VENV := .venv
+TORCH ?= 2.13.0
+BASES := $(shell $(PYTHON) -c 'import json; print(*(b["version"] for b in json.load(open("torch_overlay/manifest.json"))["bases"]))')
+ifeq ($(filter $(TORCH),$(BASES)),)
+$(error TORCH=$(TORCH) is not a base of torch-overlay (bases: $(BASES)). Pick one, or add the release with `make rebase UPSTREAM=<torch wheel or site-packages dir>`)
+endif
+VENV := .venv/$(TORCH)
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
+# The machines this project is built on cap torch through a constraint file in pip's configuration. Each venv pins
+# torch exactly (never an open range, which would pull a CUDA build of several GB), so the cap is lifted for these
+# installs only; nothing outside the venv changes.
+PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
-.PHONY: install test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp bench-unshard \
-	apply-patches revert-patches ghstack rebase
+.PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
+	bench-unshard apply-patches revert-patches ghstack rebase
 
 install: $(VENV)/.installed
 
-# torch is pinned exactly (see pyproject.toml): an unpinned torch would pull a CUDA build.
-$(VENV)/.installed: pyproject.toml
+# torch is installed first, pinned exactly; the package's own range (torch>=2.13,<2.16) is then already met.
+$(VENV)/.installed: pyproject.toml torch_overlay/manifest.json
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "torch==$(TORCH)"
+	$(PIP) install --quiet -e '.[dev]'
+	$(PY) -c 'import sys, torch; v = torch.__version__.split("+")[0]; sys.exit(0 if v == "$(TORCH)" else f"{sys.prefix}: torch {v}, not $(TORCH)")'
 	touch $@
 
-# The red tests must fail on stock torch with their listed error, then everything passes with the overlay.
+# The pristine files of every base, for the patch tools and the sync check: found in the base venvs here, else the
+# missing bases' wheels are downloaded into .venv/wheels (pinned, no dependencies).
+sources: install
+	$(PY) -m tools.pristine --fetch $(if $(WHEEL),--wheel $(WHEEL))
+
+# The red tests must fail on stock torch with their listed error (on the bases that have the bug), then
+# everything passes with the overlay.
 test: test-stock test-overlay
 
 test-stock: install
 	$(PYTEST) --stock test
 
-test-overlay: install
+test-overlay: install sources
 	$(PYTEST) test
 
 lint: install
@@ -40,13 +58,14 @@ revert-overlay: install
 status: install
 	$(PY) -m torch_overlay.activate --status
 
-# The base, then the sync check: patches/ must reproduce the overlay and its tests byte for byte.
-check: install
+# The base, then the sync check: on every base, patches/ must reproduce the overlay and its tests byte for byte.
+check: install sources
 	$(PY) -m torch_overlay.activate --check
 	$(PY) -m tools.check $(if $(WHEEL),--wheel $(WHEEL))
 
-# patches/NNNN-*.patch and patches/series, generated from the overlay and patches/series.toml.
-patches: install
+# patches/NNNN-*.patch, patches/series (upstream) and patches/series-<version> (bases that need backports),
+# generated from the overlay and patches/series.toml on the newest base.
+patches: install sources
 	$(PY) -m tools.patches $(if $(WHEEL),--wheel $(WHEEL))
 
 # Fork mode: the series applied in place to this environment's torch, and reverted byte for byte.
@@ -58,14 +77,15 @@ revert-patches: install
 
 # One commit per patch on a branch of a PyTorch checkout, then `ghstack submit $(GHSTACK_ARGS)`.
 ghstack: install
-	$(PY) -m tools.ghstack_export --pytorch-dir "$(PYTORCH_DIR)" -- $(GHSTACK_ARGS)
+	$(PY) -m tools.ghstack_export --pytorch-dir "$(PYTORCH_DIR)" $(if $(BASE),--base $(BASE)) -- $(GHSTACK_ARGS)
 
-# 3-way merge of the overlay onto another torch (a wheel or a site-packages-like directory).
-rebase: install
-	$(PY) -m tools.rebase --upstream "$(UPSTREAM)" --out "$(or $(OUT),build/rebase)"
+# Add a torch release as a base, in place: 3-way merge of the overlay onto its files (a wheel or a
+# site-packages-like directory), then manifest, torch requirement and patches/, checked on every base.
+rebase: install sources
+	$(PY) -m tools.rebase --upstream "$(UPSTREAM)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf .venv build *.egg-info .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # Rank-0 writeback in summon_full_params vs today's workaround vs one bare scatter (4 ranks, CPU; ~2 min).

@@ -5,13 +5,16 @@ PYTHONPATH, so each spawned interpreter runs the same start-up hook a persistent
 
 ``--stock``: the overlay is off everywhere and only the tests listed in ``test/overlay/red_on_stock.txt``
 run. Each must fail on stock torch with an error matching its listed pattern (reported as XFAIL); a pass, a
-skip or a different error fails the run, so a listed test cannot silently stop proving its fix.
+skip or a different error fails the run, so a listed test cannot silently stop proving its fix. Red is per
+base: a test of a backport (a patch with ``fixed_upstream_in`` in ``patches/series.toml``) proves a bug that
+the installed release no longer has when it is at or past that release, and there it must pass on stock.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,20 @@ import pytest
 TEST_DIR = Path(__file__).resolve().parent
 BOOT_DIR = TEST_DIR / "overlay" / "boot"
 RED_LIST = TEST_DIR / "overlay" / "red_on_stock.txt"
+sys.path.insert(0, str(TEST_DIR.parent))  # tools/, when pytest runs from elsewhere
+
+
+def fixed_upstream(version: str) -> dict[str, str]:
+    """Test file -> why it is green on stock ``version``: its patch was fixed upstream at or before it."""
+    from tools.project import default_project
+    from tools.series import load_series
+
+    green = {}
+    for patch in load_series(default_project().series_toml):
+        if not patch.needed_on(version):
+            for path in patch.test_files:
+                green[path] = f"{patch.name} is fixed upstream in torch {patch.fixed_upstream_in}"
+    return green
 
 
 def load_red_tests(path: Path = RED_LIST) -> dict[str, re.Pattern[str]]:
@@ -51,15 +68,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TORCH_OVERLAY"] = "0" if stock else "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOT_DIR), os.environ.get("PYTHONPATH")]))
     import torch_overlay._loader as loader
+    from torch_overlay._guard import check_base
 
     if stock:
         loader.deactivate()
     else:
         loader.activate()
     config.stash[_RED] = load_red_tests()
+    base = check_base().matched
+    config.stash[_GREEN] = fixed_upstream(base.version) if stock and base is not None else {}
 
 
 _RED = pytest.StashKey[dict]()
+_GREEN = pytest.StashKey[dict]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -98,6 +119,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             report.outcome = "failed"
             report.longrepr = f"red-on-stock: {report.nodeid} was skipped; a listed test must run and pass"
         return
+    green = item.config.stash[_GREEN].get(item.nodeid.split("::", 1)[0])
+    if green is not None:  # the installed release no longer has the bug: stock must pass
+        if report.failed:
+            report.longrepr = (
+                f"{report.longreprtext}\n\nred-on-stock: {green}, so this test must pass on stock torch here"
+            )
+        elif report.skipped:
+            report.outcome = "failed"
+            report.longrepr = f"red-on-stock: {report.nodeid} was skipped; {green}, so it must run and pass"
+        return
     if report.failed and pattern.search(_exception_lines(report)):
         report.outcome = "skipped"
         report.wasxfail = f"fails on stock torch as expected: /{pattern.pattern}/"
@@ -107,8 +138,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             f"/{pattern.pattern}/ as {RED_LIST.name} says; fix the test or the pattern"
         )
     else:
+        outcome = "passed" if report.passed else "was skipped"
         report.outcome = "failed"
         report.longrepr = (
             f"red-on-stock: {report.nodeid} was expected to fail on stock torch with /{pattern.pattern}/ but "
-            f"{'passed' if report.passed else 'was skipped'}: it does not prove its fix"
+            f"{outcome}: it does not prove its fix"
         )
