@@ -100,7 +100,9 @@ def new_pyproject_text(project: Project, requirement: str) -> bytes:
     return re.sub(f'"{re.escape(declared)}"', f'"{requirement}"', text, count=1).encode("utf-8")
 
 
-def add_base(project: Project, upstream: Path, version: str, results: list[MergeResult]) -> list[str]:
+def add_base(
+    project: Project, upstream: Path, version: str, results: list[MergeResult], sources: list[Path]
+) -> list[str]:
     """Write the new base into the project; on any failure (the sync check included) put every file back.
 
     Returns the sync check's problems (empty: added).
@@ -117,8 +119,8 @@ def add_base(project: Project, upstream: Path, version: str, results: list[Merge
         if becomes_newest:  # the payload is the newest base's files plus our change
             for r in results:
                 write_atomically(project.overlay_file(r.path), r.merged)
-        write(project, generate(project, pristine(project, [upstream])))
-        problems = check(project, [upstream])
+        write(project, generate(project, pristine(project, [upstream, *sources])))
+        problems = check(project, [upstream, *sources])
     except (PatchError, BaseSourceError, OSError) as e:
         problems = [str(e)]
     except BaseException:
@@ -137,8 +139,11 @@ def _restore(project: Project, saved: dict[Path, bytes]) -> None:
         write_atomically(path, content)
 
 
-def rebase(project: Project, upstream: Path, version: str | None = None) -> int:
-    """Add the release at ``upstream``; prints what happened, returns an exit code (0 added or already there)."""
+def rebase(project: Project, upstream: Path, version: str | None = None, sources: list[Path] = ()) -> int:
+    """Add the release at ``upstream``; prints what happened, returns an exit code (0 added or already there).
+
+    ``sources``: extra places holding the pristine files of the project's bases (:mod:`tools.pristine`).
+    """
     manifest = project.manifest()
     version = version or upstream_version(upstream)
     if version is None:
@@ -153,7 +158,7 @@ def rebase(project: Project, upstream: Path, version: str | None = None) -> int:
             f"torch {version} is already a base, but {upstream}'s files differ from the ones manifest.json records "
             "for it (edited, or another build); nothing changed"
         )
-    found = pristine(project, [upstream])
+    found = pristine(project, [upstream, *sources])
     base = found.files(manifest.payload_base)
     results = merge(base, project.overlay_files(), theirs, version)
     for r in results:
@@ -172,7 +177,7 @@ def rebase(project: Project, upstream: Path, version: str | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    problems = add_base(project, upstream, version, results)
+    problems = add_base(project, upstream, version, results, list(sources))
     for problem in problems:
         print(f"rebase: sync check failed: {problem}", file=sys.stderr)
     if problems:
@@ -191,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.rebase", description=__doc__.splitlines()[0])
     parser.add_argument("--upstream", type=Path, required=True, help="the release's wheel, or a dir holding torch/")
     parser.add_argument("--version", help="its version (default: its torch/version.py)")
+    parser.add_argument(
+        "--wheel", type=Path, action="append", default=[], help="a source of the bases' pristine files (repeatable)"
+    )
     parser.add_argument("--root", type=Path, default=None, help="project root (default: this repo)")
     args = parser.parse_args(argv)
     project = Project(args.root) if args.root else default_project()
     try:
         if not args.upstream.exists():
             raise RebaseError(f"{args.upstream}: no such wheel or directory (UPSTREAM=)")
-        return rebase(project, args.upstream, args.version)
+        return rebase(project, args.upstream, args.version, args.wheel)
     except (RebaseError, BaseSourceError) as e:
         print(f"rebase: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,9 @@
-"""A synthetic project for the patch tools' tests: fake manifest, base, overlay, series.toml and tests.
+"""A synthetic project for the patch tools' tests: fake manifest, bases, overlay, series.toml and tests.
 
-Two fake upstream files (``torch/fake/alpha.py``, ``torch/fake/beta.py``) and a two-patch series: the tools
-are tested on these, so the tests do not depend on the state of the real overlay.
+Two fake upstream files (``torch/fake/alpha.py``, ``torch/fake/beta.py``) in two fake releases, 9.8.0 (whose
+alpha.py differs in its last line, away from our changes) and 9.9.0 (the newest, the payload's base), and a
+three-patch series whose last patch is a backport that 9.9.0 no longer needs: the tools are tested on these,
+so the tests do not depend on the state of the real overlay.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from tools.project import Project
 ALPHA = "".join(f"line {n}\n" for n in range(1, 21))
 BETA = "def beta():\n    return 1\n"
 OVERLAY = {
-    "torch/fake/alpha.py": ALPHA.replace("line 3\n", "line 3 fixed\n").replace("line 15\n", "line 15 extended\n"),
+    "torch/fake/alpha.py": ALPHA.replace("line 3\n", "line 3 fixed\n")
+    .replace("line 15\n", "line 15 extended\n")
+    .replace("line 12\n", "line 12 backported\n"),
     "torch/fake/beta.py": BETA.replace("return 1", "return 2  # extended"),
 }
 BASE = {"torch/fake/alpha.py": ALPHA, "torch/fake/beta.py": BETA}
+"""The newest base, 9.9.0: the payload is its files plus our change."""
+OLD_BASE = {"torch/fake/alpha.py": ALPHA.replace("line 20\n", "line 20 old\n"), "torch/fake/beta.py": BETA}
+"""The older base, 9.8.0."""
 
 SERIES = '''
 [[patch]]
@@ -53,6 +60,19 @@ claims = [
 ]
 tests = ["test/fake/test_two.py"]
 upstream_test_edits = ["test/fake/test_upstream.py"]
+
+[[patch]]
+name = "backport"
+title = "[FSDP] Backport line 12"
+fixed_upstream_in = "9.9.0"
+summary = """
+Line 12, as upstream fixed it in 9.9.0.
+"""
+test_plan = """
+python test/fake/test_three.py
+"""
+claims = [{ file = "torch/fake/alpha.py", match = "backported" }]
+tests = ["test/fake/test_three.py"]
 '''
 
 UPSTREAM_TEST_OLD = "import torch\n\n\ndef test_a():\n    assert 1\n"
@@ -76,22 +96,31 @@ def write(root: Path, files: dict[str, str]) -> None:
         (root / path).write_text(text)
 
 
-def make_project(tmp: Path) -> tuple[Project, Path]:
-    """(the project, a site-packages-like directory holding its pristine base)."""
-    base_dir, root = tmp / "base", tmp / "project"
-    write(base_dir, BASE)
+def manifest_text(bases: dict[str, dict[str, str]]) -> str:
+    """manifest.json for the fake modules and these bases (version -> files), oldest first."""
     manifest = {
-        "base": {"package": "torch", "version": "9.9.0"},
+        "package": "torch",
+        "bases": [
+            {"version": v, "sha256": {p: hashlib.sha256(t.encode()).hexdigest() for p, t in files.items()}}
+            for v, files in bases.items()
+        ],
+        # alpha.py differs between the bases, so it cannot be served at run time (one payload): like the real
+        # fully_sharded_data_parallel.py, it is patched by fork mode and the series only.
         "modules": [
-            {
-                "name": p.removesuffix(".py").replace("/", "."),
-                "path": p,
-                "base_sha256": hashlib.sha256(t.encode()).hexdigest(),
-            }
-            for p, t in BASE.items()
+            {"name": p.removesuffix(".py").replace("/", "."), "path": p, "runtime": p != "torch/fake/alpha.py"}
+            for p in BASE
         ],
     }
-    write(root, {"torch_overlay/manifest.json": json.dumps(manifest, indent=2) + "\n"})
+    return json.dumps(manifest, indent=2) + "\n"
+
+
+def make_project(tmp: Path) -> tuple[Project, list[Path]]:
+    """(the project, site-packages-like directories holding its pristine bases: 9.9.0's, then 9.8.0's)."""
+    base_dir, old_dir, root = tmp / "base", tmp / "base-9.8.0", tmp / "project"
+    write(base_dir, BASE)
+    write(old_dir, OLD_BASE)
+    write(root, {"torch_overlay/manifest.json": manifest_text({"9.8.0": OLD_BASE, "9.9.0": BASE})})
+    write(root, {"pyproject.toml": '[project]\nname = "fake"\ndependencies = ["torch>=9.8,<9.10"]\n'})
     write(root, {f"torch_overlay/{p}": t for p, t in OVERLAY.items()})
     write(root, {"patches/series.toml": textwrap.dedent(SERIES).lstrip()})
     write(
@@ -99,6 +128,7 @@ def make_project(tmp: Path) -> tuple[Project, Path]:
         {
             "test/fake/test_one.py": "def test_one():\n    pass\n",
             "test/fake/test_two.py": "def test_two():\n    pass\n",
+            "test/fake/test_three.py": "def test_three():\n    pass\n",
         },
     )
     diff = git_diff(UPSTREAM_TEST_OLD, UPSTREAM_TEST_NEW, "test/fake/test_upstream.py", tmp)
@@ -106,4 +136,4 @@ def make_project(tmp: Path) -> tuple[Project, Path]:
         "test/upstream_edits/test/fake/test_upstream.py.diff": "Upstream-Base: pytorch/pytorch@abc123\n" + diff,
         "test/fake/test_upstream.py": UPSTREAM_TEST_NEW,
     })  # fmt: skip
-    return Project(root), base_dir
+    return Project(root), [base_dir, old_dir]

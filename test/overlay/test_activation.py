@@ -154,13 +154,13 @@ class ActivationTest(unittest.TestCase):
         report = run_scenario(
             """
             import warnings
-            import torch_overlay._loader as loader
+            import torch_overlay._finder as finder
             from torch_overlay._startup import boot
 
             def broken():
                 raise PermissionError("unreadable torch file")
 
-            loader.stand_down_reason = broken
+            finder.first_use_check = broken
             boot()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -184,33 +184,70 @@ class ActivationTest(unittest.TestCase):
         self.assertIn("stood down in this process: the base check failed", report["activate_raised"])
 
     def test_torch_compile_treats_overlay_files_as_the_upstream_ones(self):
+        """Dynamo's own predicates answer alike for each overlay file and its upstream file, on this base."""
         report = run_scenario(
             """
-            from torch_overlay._dynamo_rules import _upstream_and_overlay_paths
+            import inspect
+            from torch_overlay._dynamo_rules import path_lists, upstream_and_overlay_paths
             import torch
 
-            def same_rules(trace_rules):
-                return all(
-                    trace_rules.check_file(up, inlined).skipped == trace_rules.check_file(ours, inlined).skipped
-                    for up, ours in _upstream_and_overlay_paths()
-                    for inlined in (False, True)
-                )
+            def predicates(trace_rules):
+                # Every predicate of trace_rules that takes a file name: check_file, is_torch_inline_allowed,
+                # and from torch 2.14 on is_ngb_suppressed_inline (nested graph breaks in torch.distributed).
+                # Not is_torch, which asks whether a file lies inside the torch package (ours do not, by design)
+                # and which nothing in torch calls.
+                found = {}
+                for name, fn in vars(trace_rules).items():
+                    if name == "is_torch":
+                        continue
+                    if inspect.isfunction(fn) and fn.__module__ == trace_rules.__name__:
+                        params = list(inspect.signature(fn).parameters)
+                        if params[:1] == ["filename"] and (name.startswith("is_") or name == "check_file"):
+                            found[name] = fn
+                return found
 
-            def registered(trace_rules):
-                ours = {o for _, o in _upstream_and_overlay_paths()}
-                return any(ours & s for s in (trace_rules.get_mod_skiplist(), trace_rules.get_mod_inlinelist()))
+            def answers(trace_rules, path):
+                out = {}
+                for name, fn in predicates(trace_rules).items():
+                    if name == "check_file":
+                        out[name] = [fn(path, inlined).skipped for inlined in (False, True)]
+                    else:
+                        out[name] = fn(path)
+                return out
+
+            def differences(trace_rules):
+                return [
+                    (name, up)
+                    for up, ours in upstream_and_overlay_paths()
+                    for name, value in answers(trace_rules, up).items()
+                    if answers(trace_rules, ours)[name] != value
+                ]
 
             torch_overlay.activate()
             import torch._dynamo.trace_rules as trace_rules  # imported while active
-            report = {"imported_after": same_rules(trace_rules)}
+            upstream = upstream_and_overlay_paths()[0][0]
+            report = {
+                "predicates": sorted(predicates(trace_rules)),
+                "lists": sorted(path_lists(trace_rules)),
+                "upstream_answers": answers(trace_rules, upstream),
+                "imported_after": differences(trace_rules),
+            }
             torch_overlay.deactivate()
-            report["unregistered"] = not registered(trace_rules)
+            report["unregistered"] = differences(trace_rules) != []
             torch_overlay.activate()  # trace_rules imported before activation
-            report["imported_before"] = same_rules(trace_rules) and registered(trace_rules)
+            report["imported_before"] = differences(trace_rules)
             print(json.dumps(report))
             """
         )
-        self.assertEqual(report, {"imported_after": True, "unregistered": True, "imported_before": True})
+        self.assertEqual(report["imported_after"], [])
+        self.assertEqual(report["imported_before"], [])
+        self.assertTrue(report["unregistered"], "without the overlay's registration, dynamo treats our files apart")
+        self.assertIn("check_file", report["predicates"])
+        self.assertIn("is_torch_inline_allowed", report["predicates"])
+        # Not vacuous where dynamo has the nested-graph-break list: the upstream files are in it, and so are ours.
+        if "get_ngb_suppress_inlinelist" in report["lists"]:
+            self.assertIn("is_ngb_suppressed_inline", report["predicates"])
+            self.assertTrue(report["upstream_answers"]["is_ngb_suppressed_inline"], report)
 
     def test_env_kill_switch_wins_over_activate(self):
         result = run(

@@ -9,6 +9,7 @@ is the stock file again, byte for byte (where `pytest --stock` proves the test r
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -22,10 +23,11 @@ from unittest import mock
 import expecttest
 
 from tools.patches import generate, write
-from tools.pristine import pristine_base
-from tools.project import REPO_ROOT, Project
+from tools.pristine import pristine
+from tools.project import REPO_ROOT, Project, default_project
+from tools.series import load_series, series_for
 from torch_overlay import _fork
-from torch_overlay._guard import find_torch_dir
+from torch_overlay._guard import check_base, find_torch_dir
 from torch_overlay._manifest import MANIFEST_PATH, load_manifest
 
 WARNING_FILE = "torch/distributed/fsdp/_unshard_param_utils.py"
@@ -39,6 +41,17 @@ test_plan = "python test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"
 claims = [{ file = "torch/distributed/fsdp/_unshard_param_utils.py", match = 'may result in the "' }]
 tests = ["test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"]
 """
+
+
+def installed_base_project(root: Path) -> tuple[Project, dict[str, bytes], str]:
+    """(a project whose manifest lists only the installed base, that base's files, its version)."""
+    version = check_base().matched.version
+    project = Project(root)
+    raw = json.loads(Path(MANIFEST_PATH).read_text())
+    raw["bases"] = [b for b in raw["bases"] if b["version"] == version]
+    project.manifest_path.parent.mkdir(parents=True)
+    project.manifest_path.write_text(json.dumps(raw, indent=2) + "\n")
+    return project, pristine(project).files(project.manifest().payload_base), version
 
 
 def _hashes(torch_dir: Path) -> dict[str, str]:
@@ -60,10 +73,7 @@ class TestForkMode(expecttest.TestCase):
         (cls.site / "torch/__init__.py").unlink()
         shutil.copy2(real_torch / "__init__.py", cls.site / "torch/__init__.py")
         cls.torch_dir = cls.site / "torch"
-        project = Project(tmp / "project")
-        (project.root / "torch_overlay").mkdir(parents=True)
-        shutil.copy2(MANIFEST_PATH, project.manifest_path)
-        base = pristine_base(project.manifest())
+        project, base, cls.version = installed_base_project(tmp / "project")
         for path, content in base.items():
             if path == WARNING_FILE:
                 content = content.replace(b'may result in the"', b'may result in the "')
@@ -73,7 +83,7 @@ class TestForkMode(expecttest.TestCase):
         project.series_toml.write_text(textwrap.dedent(SERIES))
         (project.root / RED_TEST.relative_to(REPO_ROOT)).parent.mkdir(parents=True)
         shutil.copy2(RED_TEST, project.root / RED_TEST.relative_to(REPO_ROOT))
-        write(project, generate(project, base))
+        write(project, generate(project, pristine(project)))
         cls.patches_dir = project.patches_dir
         cls.pristine = _hashes(cls.torch_dir)
 
@@ -99,12 +109,10 @@ class TestForkMode(expecttest.TestCase):
 
     def test_apply_revert_end_to_end(self) -> None:
         patches = ["--patches", str(self.patches_dir)]
-        self.assertExpectedInline(
+        self.assertEqual(
             self.cli("apply-patches", *patches),
-            """\
-torch-overlay: fork mode applied: 1 patches to torch 2.13.0: torch/distributed/fsdp/_unshard_param_utils.py
-Revert with `torch-overlay revert-patches`.
-""",
+            f"torch-overlay: fork mode applied: 1 patches to torch {self.version}: {WARNING_FILE}\n"
+            "Revert with `torch-overlay revert-patches`.\n",
         )
         self.assertNotEqual(_hashes(self.torch_dir)[WARNING_FILE], self.pristine[WARNING_FILE])
         self.assertExpectedInline(
@@ -126,11 +134,8 @@ torch-overlay: check failed: fork mode is applied (1 patches in place), so the i
         green = self.run_scratch(str(RED_TEST))
         self.assertEqual(green.returncode, 0, green.stderr[-3000:])
 
-        self.assertExpectedInline(
-            self.cli("revert-patches"),
-            """\
-torch-overlay: fork mode reverted: 1 files restored to torch 2.13.0
-""",
+        self.assertEqual(
+            self.cli("revert-patches"), f"torch-overlay: fork mode reverted: 1 files restored to torch {self.version}\n"
         )
         self.assertEqual(_hashes(self.torch_dir), self.pristine)
         self.assertFalse(_fork.state_dir(self.torch_dir).exists())
@@ -157,7 +162,8 @@ torch-overlay: fork mode reverted: 1 files restored to torch 2.13.0
         try:
             with self.assertRaises(_fork.ForkError) as e:
                 _fork.apply(self.patches_dir, self.torch_dir)
-            self.assertIn("the installed torch is not the series' base", str(e.exception))
+            self.assertIn("the installed torch is not a base of the series", str(e.exception))
+            self.assertIn(f"not those of the torch {self.version} release", str(e.exception))
             self.assertIn(f"{WARNING_FILE}: sha256 ", str(e.exception))
             self.assertFalse(_fork.state_dir(self.torch_dir).exists())
         finally:
@@ -170,6 +176,18 @@ torch-overlay: fork mode reverted: 1 files restored to torch 2.13.0
             _fork.apply(broken, self.torch_dir)
         self.assertIn("0001-warning.patch does not apply to the installed torch", str(e.exception))
         self.assertEqual(_hashes(self.torch_dir), self.pristine)
+
+
+class TestSeriesPerBase(unittest.TestCase):
+    def test_each_base_gets_its_series(self) -> None:
+        """Fork mode applies what the base needs: the upstream series plus the backports of older bases."""
+        patches = load_series(default_project().series_toml)
+        for base in load_manifest().bases:
+            names = [p.name.split("-", 1)[1].removesuffix(".patch") for p in _fork.series(None, base.version)]
+            self.assertEqual(names, [p.name for p in series_for(patches, base.version)], base.version)
+        newest, oldest = load_manifest().bases[-1], load_manifest().bases[0]
+        if any(not p.needed_on(newest.version) for p in patches):  # backports: the oldest base needs more
+            self.assertLess(len(_fork.series(None, newest.version)), len(_fork.series(None, oldest.version)))
 
 
 class _Killed(Exception):
@@ -188,10 +206,7 @@ class TestForkInterrupted(expecttest.TestCase):
         self.torch_dir = tmp / "site" / "torch"
         self.torch_dir.mkdir(parents=True)
         shutil.copy2(find_torch_dir() / "version.py", self.torch_dir / "version.py")
-        project = Project(tmp / "project")
-        (project.root / "torch_overlay").mkdir(parents=True)
-        shutil.copy2(MANIFEST_PATH, project.manifest_path)
-        base = pristine_base(project.manifest())
+        project, base, self.version = installed_base_project(tmp / "project")
         self.changed = [m.path for m in load_manifest().modules][:2]
         for path, content in base.items():
             (self.torch_dir.parent / path).parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +220,7 @@ class TestForkInterrupted(expecttest.TestCase):
         project.series_toml.write_text(
             f'[[patch]]\nname = "two"\ntitle = "Two files"\nsummary = "s"\ntest_plan = "t"\nclaims = [{claims}]\n'
         )
-        write(project, generate(project, base))
+        write(project, generate(project, pristine(project)))
         self.patches_dir = project.patches_dir
         self.pristine = _hashes(self.torch_dir)
         hook = mock.patch.object(_fork, "installed_hook", return_value=None)
@@ -269,7 +284,7 @@ class TestForkInterrupted(expecttest.TestCase):
         with self.assertRaises(_fork.ForkError) as e:
             _fork.revert(self.torch_dir)
         self.assertIn(f"the saved original {saved} is missing or unreadable", str(e.exception))
-        self.assertIn("pip install --force-reinstall --no-deps torch==2.13.0", str(e.exception))
+        self.assertIn(f"pip install --force-reinstall --no-deps torch=={self.version}", str(e.exception))
         self.assertEqual(self.at(), ["patched", "patched"])
         saved.write_bytes(content)
         state_file = _fork.state_dir(self.torch_dir) / "state.json"

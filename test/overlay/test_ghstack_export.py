@@ -19,7 +19,7 @@ from _patch_project import BASE, UPSTREAM_TEST_OLD, make_project
 
 from tools.ghstack_export import ExportError, export_stack
 from tools.patches import generate, write
-from tools.pristine import pristine_base
+from tools.pristine import pristine
 
 
 async def _submit_stack(patches_dir: Path) -> tuple[list[str], list[dict]]:
@@ -32,7 +32,8 @@ async def _submit_stack(patches_dir: Path) -> tuple[list[str], list[dict]]:
         await gh.git("push", "origin", "HEAD:main")
         await gh.git("config", "user.name", "A U Thor")
         await gh.git("config", "user.email", "author@example.com")
-        commits = export_stack(checkout, patches_dir, "overlay-stack")
+        # The checkout is at the newest base (9.9.0): its series is the upstream one, without the backport.
+        commits = export_stack(checkout, patches_dir, "9.9.0", "overlay-stack")
         await gh.gh_submit("Initial")
         result = await gh.CTX.github.graphql(
             """
@@ -49,8 +50,8 @@ async def _submit_stack(patches_dir: Path) -> tuple[list[str], list[dict]]:
 class TestGhstackExport(expecttest.TestCase):
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
-        self.project, base_dir = make_project(Path(self._tmp.name))
-        write(self.project, generate(self.project, pristine_base(self.project.manifest(), base_dir)))
+        self.project, sources = make_project(Path(self._tmp.name))
+        write(self.project, generate(self.project, pristine(self.project, sources)))
 
     def tearDown(self) -> None:
         self._tmp.cleanup()
@@ -91,7 +92,7 @@ Fixes #12345""",
         env = ["-c", "user.name=A", "-c", "user.email=a@b"]
         subprocess.run(["git", *env, "commit", "-q", "-m", "x"], cwd=checkout, check=True)
         with self.assertRaises(ExportError) as e:
-            export_stack(checkout, self.project.patches_dir)
+            export_stack(checkout, self.project.patches_dir, "9.9.0")
         self.assertIn("0001-fix-alpha.patch does not apply to", str(e.exception))
         head = subprocess.run(["git", "branch", "--show-current"], cwd=checkout, capture_output=True, text=True)
         self.assertEqual(head.stdout.strip(), "main")
@@ -109,7 +110,7 @@ Fixes #12345""",
         subprocess.run(["git", "checkout", "-q", "--detach", "HEAD~1"], cwd=checkout, check=True)
         base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout
         with self.assertRaises(ExportError) as e:
-            export_stack(checkout, self.project.patches_dir)
+            export_stack(checkout, self.project.patches_dir, "9.9.0")
         self.assertIn(f"The checkout was left as it was (detached HEAD at {base[:12]})", str(e.exception))
         git = ["git", "-C", str(checkout)]
         self.assertEqual(subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout, base)

@@ -1,4 +1,4 @@
-"""The version guard refuses a torch that is not the base, names what differs, and changes nothing."""
+"""The version guard matches the installed torch against every base, names what differs, and changes nothing."""
 
 import json
 import sys
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from scratch_env import clean_env, run, tamper, torch_tree
 
-from torch_overlay._guard import BaseMismatchError, check_base, require_base
+from torch_overlay._guard import BaseMismatchError, check_base, read_torch_version, require_base
 from torch_overlay._manifest import load_manifest
 
 MANIFEST = load_manifest()
@@ -21,37 +21,74 @@ class GuardTest(unittest.TestCase):
         self._tmp = tempfile.TemporaryDirectory()
         self.root = Path(self._tmp.name)
         self.torch_dir = torch_tree(self.root, tuple(m.path.removeprefix("torch/") for m in MANIFEST.modules))
+        self.version = read_torch_version(self.torch_dir)
+        self.base = MANIFEST.base(self.version)
+        self.assertIsNotNone(self.base, f"the suite runs on a base; torch {self.version} is none")
 
     def tearDown(self) -> None:
         self._tmp.cleanup()
 
+    def set_version(self, version: str, old: str | None = None) -> None:
+        """Make the scratch torch say it is ``version`` (it says ``old``, by default the installed version)."""
+        tamper(self.torch_dir / "version.py", f"__version__ = '{old or self.version}'", f"__version__ = '{version}'")
+
     def test_installed_base_matches(self):
         check = check_base(torch_dir=self.torch_dir)
         self.assertTrue(check.ok, check.problems())
-        self.assertEqual(check.expected_version, "2.13.0")
+        self.assertIs(check.matched, self.base)
+        self.assertIsNone(check.warning)
+        self.assertEqual(check.summary(), f"torch {self.base.version}, {len(MANIFEST.modules)} files: matches")
 
     def test_edited_file_is_named_with_both_hashes(self):
-        upstream = UNSHARD.upstream_file(self.torch_dir)
-        tamper(upstream, "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        tamper(Path(UNSHARD.upstream_file(self.torch_dir)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
         with self.assertRaises(BaseMismatchError) as raised:
             require_base("activate the overlay", torch_dir=self.torch_dir)
         message = str(raised.exception)
         self.assertIn("refusing to activate the overlay", message)
+        self.assertIn(f"its replaced files are not those of the torch {self.base.version} release", message)
         self.assertIn(f"{UNSHARD.path}: sha256 ", message)
-        self.assertIn(f"expected {UNSHARD.base_sha256}", message)
+        self.assertIn(f"expected {self.base.sha256[UNSHARD.path]}", message)
+        self.assertEqual(message.count("sha256"), 1, "only the edited file is named")
         self.assertIn("Nothing was changed", message)
-        self.assertIn("pip install --force-reinstall --no-deps torch==2.13.0", message)
+        self.assertIn(f"pip install --force-reinstall --no-deps torch=={self.base.version}", message)
+        self.assertIn("MISMATCH", check_base(torch_dir=self.torch_dir).summary())
 
-    def test_other_version_and_missing_file(self):
-        tamper(self.torch_dir / "version.py", "__version__ = '2.13.0", "__version__ = '2.14.0")
-        UNSHARD.upstream_file(self.torch_dir).unlink()
+    def test_missing_file(self):
+        Path(UNSHARD.upstream_file(self.torch_dir)).unlink()
         problems = check_base(torch_dir=self.torch_dir).problems()
         self.assertEqual(len(problems), 2, problems)
-        self.assertIn("is version 2.14.0+cpu, the overlay's base is 2.13.0", problems[0])
-        self.assertIn(f"{UNSHARD.path}: missing", problems[1])
+        self.assertIn(f"{UNSHARD.path}: missing (expected sha256 {self.base.sha256[UNSHARD.path]})", problems[1])
+
+    def test_unlisted_release_with_a_base_files_is_served_with_a_warning(self):
+        self.set_version("99.0.0+cpu")
+        check = check_base(torch_dir=self.torch_dir)
+        self.assertTrue(check.ok, check.problems())
+        same = MANIFEST.bases_with_files(check.found)
+        self.assertIn(self.base, same)
+        self.assertIs(check.matched, same[0], "the newest base not newer than 99.0.0 with the same files")
+        self.assertEqual(
+            check.warning,
+            f"torch_overlay: torch 99.0.0+cpu is not a listed base, but its {len(MANIFEST.modules)} replaced files "
+            f"are exactly those of torch {same[0].version}, so the overlay serves it as {same[0].version}; add the "
+            "release with `make rebase UPSTREAM=<its wheel>` in a torch-overlay checkout",
+        )
+        self.set_version("0.1.0", old="99.0.0+cpu")
+        self.assertIs(check_base(torch_dir=self.torch_dir).matched, same[-1], "older than every base: the oldest")
+
+    def test_unlisted_release_with_other_files_is_refused(self):
+        self.set_version("99.0.0")
+        tamper(Path(UNSHARD.upstream_file(self.torch_dir)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        with self.assertRaises(BaseMismatchError) as raised:
+            require_base("activate the overlay", torch_dir=self.torch_dir)
+        message = str(raised.exception)
+        versions = ", ".join(MANIFEST.versions)
+        self.assertIn(f"torch 99.0.0 at {self.torch_dir} is not a listed base ({versions})", message)
+        self.assertIn(f"{UNSHARD.path}: sha256 ", message)
+        self.assertIn(f"pip install torch=={MANIFEST.payload_base.version}", message)
+        self.assertIn("make rebase UPSTREAM=", message)
 
     def test_activate_refuses_in_a_process_and_changes_nothing(self):
-        tamper(UNSHARD.upstream_file(self.torch_dir), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        tamper(Path(UNSHARD.upstream_file(self.torch_dir)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
         code = textwrap.dedent(
             """
             import json, sys

@@ -1,4 +1,5 @@
-"""The patch tools on a synthetic project: generation, determinism, and every way the sync check fails."""
+"""The patch tools on a synthetic project: generation, determinism, per-base series, and every way the sync
+check fails."""
 
 from __future__ import annotations
 
@@ -10,36 +11,44 @@ from pathlib import Path
 from unittest import mock
 
 import expecttest
-from _patch_project import make_project
+from _patch_project import BASE, OLD_BASE, OVERLAY, make_project, manifest_text
 
 from tools.check import check
 from tools.patches import PatchError, generate, write
-from tools.pristine import BaseSourceError, pristine_base
+from tools.pristine import pristine
 from tools.project import default_project
+from torch_overlay._guard import find_torch_dir
 
 
 class TestPatches(expecttest.TestCase):
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
         self.tmp = Path(self._tmp.name)
-        self.project, self.base_dir = make_project(self.tmp)
-        self.base = pristine_base(self.project.manifest(), self.base_dir)
+        self.project, self.sources = make_project(self.tmp)
+        self.found = pristine(self.project, self.sources)
 
     def tearDown(self) -> None:
         self._tmp.cleanup()
 
     def regenerate(self) -> dict[str, bytes]:
-        files = generate(self.project, self.base)
+        files = generate(self.project, self.found)
         write(self.project, files)
         return files
+
+    def check(self) -> list[str]:
+        return check(self.project, self.sources)
 
     def test_series_and_header(self) -> None:
         files = self.regenerate()
         self.assertExpectedInline(
-            files["series"].decode(),
+            files["series"].decode() + "--- series-9.8.0\n" + files["series-9.8.0"].decode(),
             """\
 0001-fix-alpha.patch
 0002-extend.patch
+--- series-9.8.0
+0001-fix-alpha.patch
+0002-extend.patch
+0003-backport.patch
 """,
         )
         header = files["0001-fix-alpha.patch"].decode().split("diff --git")[0]
@@ -49,7 +58,7 @@ class TestPatches(expecttest.TestCase):
 From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
 From: torch-overlay <torch-overlay@users.noreply.github.com>
 Date: Thu, 1 Jan 2026 00:00:00 +0000
-Subject: [PATCH 1/2] [FSDP] Fix line 3
+Subject: [PATCH 1/3] [FSDP] Fix line 3
 
 Summary:
 Line 3 was wrong.
@@ -61,62 +70,142 @@ Fixes #12345
 
 """,
         )
-        self.assertEqual(generate(self.project, self.base), files, "regeneration must be byte-identical")
-        self.assertEqual(check(self.project, self.base_dir), [])
+        backport = files["0003-backport.patch"].decode().split("diff --git")[0]
+        self.assertExpectedInline(
+            backport,
+            """\
+From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+From: torch-overlay <torch-overlay@users.noreply.github.com>
+Date: Thu, 1 Jan 2026 00:00:00 +0000
+Subject: [PATCH 3/3] [FSDP] Backport line 12
 
-    def test_series_applies_with_git_apply(self) -> None:
-        self.regenerate()
-        tree = self.tmp / "tree"
+Summary:
+Line 12, as upstream fixed it in 9.9.0.
+
+Backport only: torch 9.9.0 fixed this upstream, so this patch is for the
+releases before it and is not part of the upstream series
+(patches/series).
+
+Test Plan:
+python test/fake/test_three.py
+
+""",
+        )
+        self.assertEqual(generate(self.project, self.found), files, "regeneration must be byte-identical")
+        self.assertEqual(self.check(), [])
+
+    def apply(self, index: str, base: dict[str, str]) -> Path:
+        """A git tree holding ``base`` after `git apply` of every patch ``patches/<index>`` lists."""
+        tree = self.tmp / f"tree-{index}"
         subprocess.run(["git", "init", "-q", str(tree)], check=True)
-        for path, content in self.base.items():
+        for path, text in base.items():
             (tree / path).parent.mkdir(parents=True, exist_ok=True)
-            (tree / path).write_bytes(content)
-        for name in (self.project.patches_dir / "series").read_text().split():
+            (tree / path).write_text(text)
+        for name in (self.project.patches_dir / index).read_text().split():
             patch = self.project.patches_dir / name
             subprocess.run(["git", "apply", "--exclude=test/fake/test_upstream.py", str(patch)], cwd=tree, check=True)
-        for path, content in self.project.overlay_files().items():
-            self.assertEqual((tree / path).read_bytes(), content, path)
+        return tree
+
+    def test_each_base_series_applies_with_git_apply(self) -> None:
+        self.regenerate()
+        newest = self.apply("series", BASE)  # the upstream series: no backport
+        alpha = "torch/fake/alpha.py"
+        self.assertEqual((newest / alpha).read_text(), OVERLAY[alpha].replace("line 12 backported\n", "line 12\n"))
+        self.assertEqual((newest / "torch/fake/beta.py").read_text(), OVERLAY["torch/fake/beta.py"])
+        self.assertFalse((newest / "test/fake/test_three.py").exists())
+        older = self.apply("series-9.8.0", OLD_BASE)  # with the backport, onto 9.8.0's own alpha.py
+        self.assertEqual((older / alpha).read_text(), OVERLAY[alpha].replace("line 20\n", "line 20 old\n"))
+        self.assertTrue((older / "test/fake/test_three.py").exists())
 
     def test_drift_names_the_file(self) -> None:
         self.regenerate()
         overlay = self.project.overlay_file("torch/fake/beta.py")
         overlay.write_text(overlay.read_text().replace("2  # extended", "3  # extended"))
         self.assertExpectedInline(
-            "\n".join(check(self.project, self.base_dir)),
+            "\n".join(self.check()),
             """\
 patches/0002-extend.patch: differs from what the overlay and series.toml generate; run `make patches`
-torch/fake/beta.py: the applied series differs from the overlay file torch_overlay/torch/fake/beta.py""",
+torch 9.8.0: torch/fake/beta.py: the applied series differs from the overlay file torch_overlay/torch/fake/beta.py
+torch 9.9.0: torch/fake/beta.py: the applied series differs from the overlay file torch_overlay/torch/fake/beta.py""",
         )
 
     def test_patch_that_does_not_apply(self) -> None:
         self.regenerate()
         patch = self.project.patches_dir / "0001-fix-alpha.patch"
         patch.write_text(patch.read_text().replace(" line 4\n", " line four\n"))
-        problems = check(self.project, self.base_dir)
+        problems = self.check()
         self.assertIn("patches/0001-fix-alpha.patch: differs", problems[0])
-        self.assertIn("patches/0001-fix-alpha.patch: does not apply in order onto the pristine base", problems[1])
+        for problem, version in zip(problems[1:], ["9.8.0", "9.9.0"], strict=True):
+            self.assertIn(f"torch {version}: patches/0001-fix-alpha.patch: does not apply in order onto the", problem)
 
     def test_stale_and_missing_patch_files(self) -> None:
         self.regenerate()
         (self.project.patches_dir / "0003-old.patch").write_text("stale")
         (self.project.patches_dir / "0002-extend.patch").unlink()
-        problems = check(self.project, self.base_dir)
+        (self.project.patches_dir / "series-9.9.0").write_text("stale")
+        problems = self.check()
         self.assertIn("patches/0002-extend.patch: missing; run `make patches`", problems)
         self.assertIn("patches/0003-old.patch: not part of the series any more; run `make patches`", problems)
+        self.assertIn("patches/series-9.9.0: not part of the series any more; run `make patches`", problems)
 
-    def test_base_mismatch(self) -> None:
-        (self.base_dir / "torch/fake/beta.py").write_text("edited\n")
-        with self.assertRaises(BaseSourceError) as e:
-            pristine_base(self.project.manifest(), self.base_dir)
-        self.assertIn("torch/fake/beta.py: sha256 ", str(e.exception))
-        self.assertIn("is not the pristine base torch 9.9.0", check(self.project, self.base_dir)[0])
+    def test_base_files_found_by_content(self) -> None:
+        """A source whose file is not the recorded one is passed over; a base nobody holds is named."""
+        self.regenerate()
+        for source in self.sources:
+            (source / "torch/fake/beta.py").write_text("edited\n")
+        self.assertExpectedInline(
+            self.check()[0].replace(str(self.tmp), "<tmp>").replace(str(find_torch_dir().parent), "<installed>"),
+            """\
+the pristine files of torch 9.9.0 are not on this machine: torch/fake/beta.py (with the sha256 manifest.json records) is in none of these sources:
+    <tmp>/base
+    <tmp>/base-9.8.0
+    <installed>
+Run `make sources` (downloads the missing bases' wheels), or `make install TORCH=9.9.0`, or pass the torch 9.9.0 wheel with --wheel (make: WHEEL=).""",  # noqa: E501
+        )
+        # 9.9.0's beta.py is 9.8.0's: the older base's directory serves both once its copy is pristine.
+        (self.sources[1] / "torch/fake/beta.py").write_text(BASE["torch/fake/beta.py"])
+        self.assertEqual(self.check(), [])
+        (self.sources[0] / "torch/fake/beta.py").write_text(BASE["torch/fake/beta.py"])
+        self.assertIn(
+            "torch 9.8.0: the pristine files of torch 9.8.0 are not on this machine: torch/fake/alpha.py",
+            check(self.project, self.sources[:1])[0],
+        )
+
+    def test_requirement_must_cover_the_bases(self) -> None:
+        self.regenerate()
+        self.project.pyproject.write_text('[project]\nname = "fake"\ndependencies = ["torch==9.8.0"]\n')
+        self.assertExpectedInline(
+            "\n".join(self.check()),
+            """pyproject.toml: the torch dependency is 'torch==9.8.0'; the bases in manifest.json need 'torch>=9.8,<9.10'""",  # noqa: E501
+        )
+
+    def test_backports_come_last(self) -> None:
+        toml = self.project.series_toml
+        text = toml.read_text()
+        first, backport = text.split('[[patch]]\nname = "backport"')
+        toml.write_text('[[patch]]\nname = "backport"' + backport + "\n" + first)
+        with self.assertRaises(PatchError) as e:
+            generate(self.project, self.found)
+        self.assertIn("the backports (backport, fixed upstream) must come after every other patch", str(e.exception))
+
+    def test_change_that_does_not_transplant_onto_an_older_base(self) -> None:
+        self.regenerate()
+        old = self.sources[1] / "torch/fake/alpha.py"
+        old.write_text(OLD_BASE["torch/fake/alpha.py"].replace("line 15\n", "line 15 old\n"))
+        manifest = self.project.manifest_path
+        older = {**OLD_BASE, "torch/fake/alpha.py": old.read_text()}
+        manifest.write_text(manifest_text({"9.8.0": older, "9.9.0": BASE}))
+        self.assertExpectedInline(
+            "\n".join(self.check()),
+            """torch 9.8.0: torch/fake/alpha.py: our change does not merge cleanly onto torch 9.8.0's file (1 conflicting hunks); the one payload cannot serve this base (README, 'Add a torch release')""",  # noqa: E501
+        )
 
     def test_unclaimed_and_doubly_claimed_blocks(self) -> None:
         toml = self.project.series_toml
         text = toml.read_text()
         toml.write_text(text.replace('match = "fixed"', 'match = "fixed|extended"'))
         with self.assertRaises(PatchError) as e:
-            generate(self.project, self.base)
+            generate(self.project, self.found)
         self.assertExpectedInline(
             str(e.exception),
             """\
@@ -125,7 +214,7 @@ series.toml does not split the overlay into its patches:
         )
         toml.write_text(text.replace('match = "fixed"', 'match = "nothing"'))
         with self.assertRaises(PatchError) as e:
-            generate(self.project, self.base)
+            generate(self.project, self.found)
         self.assertExpectedInline(
             str(e.exception),
             """\
@@ -137,7 +226,7 @@ series.toml does not split the overlay into its patches:
     def test_upstream_edit_must_match_rewritten_test(self) -> None:
         self.regenerate()
         (self.project.root / "test/fake/test_upstream.py").write_text("import torch\n\n\ndef test_a():\n    assert 3\n")
-        problems = check(self.project, self.base_dir)
+        problems = self.check()
         self.assertEqual(len(problems), 1)
         self.assertIn(
             "test/fake/test_upstream.py: git hash-object 0e6e563c51a19a754d40745c800f1c8e2b329b4c is not", problems[0]
@@ -148,7 +237,7 @@ series.toml does not split the overlay into its patches:
         local = self.project.root / "test/fake/test_upstream.py"
         local.write_text(local.read_text() + "# stray edit\n")
         self.assertEqual(
-            check(self.project, self.base_dir),
+            self.check(),
             [
                 "test/fake/test_upstream.py: git hash-object cbd08debe0da090d1545b74e1a7511c771c44437 is not the new "
                 "blob eaf34ed of test/upstream_edits/test/fake/test_upstream.py.diff; make them equal"
@@ -157,21 +246,20 @@ series.toml does not split the overlay into its patches:
 
     def test_stale_patches_report_missing_test_file(self) -> None:
         self.regenerate()
-        (self.project.root / "test/fake/test_three.py").write_text("def test_three():\n    pass\n")
+        (self.project.root / "test/fake/test_four.py").write_text("def test_four():\n    pass\n")
         toml = self.project.series_toml
         toml.write_text(
             toml.read_text().replace(
-                'tests = ["test/fake/test_two.py"]', 'tests = ["test/fake/test_two.py", "test/fake/test_three.py"]'
+                'tests = ["test/fake/test_two.py"]', 'tests = ["test/fake/test_two.py", "test/fake/test_four.py"]'
             )
         )
-        problems = check(self.project, self.base_dir)
+        problems = self.check()
         self.assertIn(
             "patches/0002-extend.patch: differs from what the overlay and series.toml generate; run `make patches`",
             problems,
         )
         self.assertIn(
-            "test/fake/test_three.py: not created by the applied series (patches/ is stale); run `make patches`",
-            problems,
+            "torch 9.9.0: test/fake/test_four.py: not created by the applied series (patches/ is stale)", problems
         )
 
 
@@ -181,7 +269,7 @@ class TestGitIsolation(unittest.TestCase):
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
         self.tmp = Path(self._tmp.name)
-        self.project, self.base_dir = make_project(self.tmp)
+        self.project, self.sources = make_project(self.tmp)
 
     def tearDown(self) -> None:
         self._tmp.cleanup()
@@ -206,8 +294,8 @@ class TestGitIsolation(unittest.TestCase):
             "GIT_WORK_TREE": str(user),
         }
         with mock.patch.dict(os.environ, hook_env):
-            write(self.project, generate(self.project, pristine_base(self.project.manifest(), self.base_dir)))
-            self.assertEqual(check(self.project, self.base_dir), [])
+            write(self.project, generate(self.project, pristine(self.project, self.sources)))
+            self.assertEqual(check(self.project, self.sources), [])
         self.assertEqual(snapshot(), before)
 
     def test_user_git_config_is_ignored(self) -> None:
@@ -216,13 +304,13 @@ class TestGitIsolation(unittest.TestCase):
         overlay = self.project.overlay_file("torch/fake/beta.py")
         overlay.write_text(overlay.read_text().replace("# extended", "# extended   "))
         with mock.patch.dict(os.environ, {"HOME": str(self.tmp / "home"), "XDG_CONFIG_HOME": str(self.tmp / "home")}):
-            write(self.project, generate(self.project, pristine_base(self.project.manifest(), self.base_dir)))
-            self.assertEqual(check(self.project, self.base_dir), [])
+            write(self.project, generate(self.project, pristine(self.project, self.sources)))
+            self.assertEqual(check(self.project, self.sources), [])
 
 
 class TestRealRepo(unittest.TestCase):
     def test_real_repo_patches_in_sync(self) -> None:
-        """`make check`'s sync check on this repo (after `make patches` whenever the overlay changes)."""
+        """`make check`'s sync check on this repo, every base (`make sources` makes their files available)."""
         self.assertEqual(check(default_project()), [])
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from expecttest import TestCase
 from scratch_env import PROBE, ScratchVenv, clean_env, probe, run, tamper, torch_tree
 
+from torch_overlay._guard import check_base
 from torch_overlay._manifest import load_manifest
 from torch_overlay._persistent import hook_text
 
@@ -51,11 +52,12 @@ class PersistentHookTest(TestCase):
 
         status = self.cli("--status").stdout.replace(str(self.root), "<tmp>")
         status = re.sub(r"torch: .*\n", "torch: <version> at <path>\n", status)
+        status = status.replace(f"torch {check_base().matched.version},", "torch <base>,")
         self.assertExpectedInline(
             status,
             """\
 torch: <version> at <path>
-base:          torch 2.13.0, 4 files: matches
+base:          torch <base>, 4 files: matches
 persistent:    installed (<tmp>/venv/lib/python3.11/site-packages/torch_overlay_startup.pth)
 fork mode:     not applied
 TORCH_OVERLAY: unset
@@ -75,17 +77,17 @@ this process:  active (the base is checked at the first import of a replaced mod
 
     def test_install_refused_on_a_tampered_base_and_nothing_written(self):
         torch_tree(self.root / "tree", (UNSHARD.path.removeprefix("torch/"),))
-        tamper(UNSHARD.upstream_file(self.root / "tree" / "torch"), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        tamper(Path(UNSHARD.upstream_file(self.root / "tree" / "torch")), "FLAT_PARAM = ", "FLAT_PARAM  = ")
         result = self.cli(env=clean_env(PYTHONPATH=str(self.root / "tree")))
         self.assertEqual(result.returncode, 1)
-        self.assertIn("refusing to install the start-up hook", result.stderr)
+        self.assertIn("refusing to install the persistent overlay", result.stderr)
         self.assertIn(UNSHARD.path, result.stderr)
         self.assertFalse(self.venv.hook.exists())
 
     def test_hook_stands_down_on_a_base_changed_after_install(self):
         self.assertEqual(self.cli().returncode, 0)
         torch_tree(self.root / "tree", (UNSHARD.path.removeprefix("torch/"),))
-        tamper(UNSHARD.upstream_file(self.root / "tree" / "torch"), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        tamper(Path(UNSHARD.upstream_file(self.root / "tree" / "torch")), "FLAT_PARAM = ", "FLAT_PARAM  = ")
         result = run(
             [self.venv.python, "-W", "always", "-c", "import torch.distributed.fsdp; print('ok')"],
             env=clean_env(PYTHONPATH=str(self.root / "tree")),
@@ -94,6 +96,20 @@ this process:  active (the base is checked at the first import of a replaced mod
         warnings = [line for line in result.stderr.splitlines() if "torch_overlay" in line]
         self.assertEqual(len(warnings), 1, result.stderr)
         self.assertIn("the overlay is NOT active in this process", warnings[0])
+
+    def test_hook_serves_an_unlisted_release_with_the_base_files_and_one_warning(self):
+        self.assertEqual(self.cli().returncode, 0)
+        tree = torch_tree(self.root / "tree")
+        version = check_base().found_version
+        tamper(tree / "version.py", f"__version__ = '{version}'", "__version__ = '99.0.0'")
+        env = clean_env(PYTHONPATH=str(self.root / "tree"))
+        result = run([self.venv.python, "-W", "always", str(PROBE)], env=env)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertTrue(json.loads(result.stdout.splitlines()[-1])["here"]["warning_fixed"], "the overlay serves it")
+        warnings = [line for line in result.stderr.splitlines() if "torch_overlay" in line]
+        self.assertEqual(len(warnings), 1, result.stderr)
+        self.assertIn("torch 99.0.0 is not a listed base, but its 4 replaced files are exactly those of", warnings[0])
+        self.assertIn("warning: torch_overlay: torch 99.0.0 is not a listed base", self.cli("--status", env=env).stdout)
 
     def test_broken_or_missing_package_never_breaks_startup(self):
         self.assertEqual(self.cli().returncode, 0)

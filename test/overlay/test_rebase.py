@@ -1,105 +1,137 @@
-"""Rebase onto a newer torch on synthetic upstream edits: one merges cleanly, one conflicts."""
+"""Adding a torch release in place, on synthetic upstream files: clean (newer and older), conflicting, a
+changed runtime file, a failed sync check, and a release already listed."""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import subprocess
 import tempfile
 import unittest
 from pathlib import Path
 
 import expecttest
-from _patch_project import BASE, OVERLAY, make_project
+from _patch_project import BASE, OLD_BASE, OVERLAY, make_project
 
 from tools import rebase
 from tools.check import check
-from tools.project import Project
+from tools.patches import generate, generated_files, write
+from tools.pristine import pristine
 
 
 class TestRebase(expecttest.TestCase):
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
         self.tmp = Path(self._tmp.name)
-        self.project, self.base_dir = make_project(self.tmp)
-        root = self.project.root
-        (root / "Makefile").write_text("check:\n\ttrue\n")
-        (root / ".gitignore").write_text("build/\n")
-        subprocess.run(["git", "init", "-q", str(root)], check=True)
-        subprocess.run(["git", "-C", str(root), "add", "."], check=True)
+        self.project, self.sources = make_project(self.tmp)
+        write(self.project, generate(self.project, pristine(self.project, self.sources)))
+        self.assertEqual(check(self.project, self.sources), [])
+        self.before = self.snapshot()
 
     def tearDown(self) -> None:
         self._tmp.cleanup()
 
-    def upstream(self, edits: dict[str, tuple[str, str]]) -> Path:
-        directory = self.tmp / "upstream"
-        for path, text in BASE.items():
-            old, new = edits.get(path, ("", ""))
+    def snapshot(self) -> dict[str, bytes]:
+        """Every file the rebase may change: manifest, pyproject, overlay files, patches/."""
+        p = self.project
+        files = [p.manifest_path, p.pyproject, *generated_files(p.patches_dir)]
+        files += [p.overlay_file(path) for path in BASE]
+        return {str(f.relative_to(p.root)): f.read_bytes() for f in files if f.is_file()}
+
+    def upstream(self, version: str, files: dict[str, str]) -> Path:
+        directory = self.tmp / f"upstream-{version}"
+        for path, text in files.items():
             (directory / path).parent.mkdir(parents=True, exist_ok=True)
-            (directory / path).write_text(text.replace(old, new) if old else text)
+            (directory / path).write_text(text)
+        (directory / "torch").mkdir(exist_ok=True)
+        (directory / "torch/version.py").write_text(f"__version__ = '{version}+cpu'\n")
         return directory
 
-    def run_rebase(self, upstream: Path, out: Path) -> str:
-        args = ["--root", str(self.project.root), "--wheel", str(self.base_dir), "--upstream", str(upstream)]
+    def run_rebase(self, upstream: Path) -> str:
+        args = ["--root", str(self.project.root), "--upstream", str(upstream)]
+        args += [arg for source in self.sources for arg in ("--wheel", str(source))]
         with _Capture() as captured:
-            code = rebase.main([*args, "--out", str(out), "--version", "10.0.0"])
+            code = rebase.main(args)
         return f"exit {code}\n" + captured.text.replace(str(self.tmp), "<tmp>")
 
-    def test_clean_merge_writes_rebased_project(self) -> None:
-        upstream = self.upstream({"torch/fake/alpha.py": ("line 9\n", "line 9 upstream\n")})
-        out = self.tmp / "out"
+    def test_newer_release_is_added_in_place(self) -> None:
+        alpha = BASE["torch/fake/alpha.py"].replace("line 7\n", "line 7 upstream\n")
+        upstream = self.upstream("10.0.0", {**BASE, "torch/fake/alpha.py": alpha})
+        text = self.run_rebase(upstream)
         self.assertExpectedInline(
-            self.run_rebase(upstream, out),
+            text,
             """\
 exit 0
 torch/fake/alpha.py: clean
 torch/fake/beta.py: clean
-rebase: torch 9.9.0 -> 10.0.0, all files clean; written to <tmp>/out
-patches/ regenerated: 0001-fix-alpha.patch, 0002-extend.patch, series
-""",
+rebase: torch 10.0.0 added; the bases are now 9.8.0, 9.9.0, 10.0.0; patches/ regenerated; sync check passed
+Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tells which fixes upstream made), then the README's table of releases.
+""",  # noqa: E501
         )
-        rebased = Project(out)
-        merged = rebased.overlay_file("torch/fake/alpha.py").read_text()
-        self.assertIn("line 9 upstream\n", merged)
-        self.assertIn("line 3 fixed\n", merged)
-        self.assertEqual(rebased.manifest().version, "10.0.0")
-        self.assertEqual(check(rebased, upstream), [], "the rebased project is in sync against the new base")
-        # The whole tracked tree travels, so the output can run its own `make check` and `make test`.
-        for path in ["Makefile", ".gitignore", "test/fake/test_upstream.py", "test/upstream_edits"]:
-            self.assertTrue((out / path).exists(), path)
-        self.assertTrue((out / rebase.MARKER).is_file())
-        self.assertIn("exit 0", self.run_rebase(upstream, out), "a previous rebase output is replaced")
-        inside = self.project.root / "build" / "rebase"
-        self.assertIn("exit 0", self.run_rebase(upstream, inside), "an ignored directory of the project is fine")
+        manifest = self.project.manifest()
+        self.assertEqual(manifest.versions, ("9.8.0", "9.9.0", "10.0.0"))
+        merged = self.project.overlay_file("torch/fake/alpha.py").read_text()
+        self.assertEqual(merged, OVERLAY["torch/fake/alpha.py"].replace("line 7\n", "line 7 upstream\n"))
+        self.assertEqual(self.project.declared_requirement(), "torch>=9.8,<10.1")
+        self.assertEqual(check(self.project, [upstream, *self.sources]), [])
+        self.assertIn("series-9.8.0", [f.name for f in generated_files(self.project.patches_dir)])
+        self.assertIn("exit 0\nrebase: torch 10.0.0 is already a base, with these files", self.run_rebase(upstream))
 
-    def test_refuses_an_out_it_could_destroy(self) -> None:
-        upstream = self.upstream({})
-        other = self.tmp / "other"
-        other.mkdir()
-        (other / "keep.txt").write_text("mine\n")
-        for out in [self.project.root, self.tmp, self.project.root / "torch_overlay", other]:
-            text = self.run_rebase(upstream, out)
-            self.assertTrue(text.startswith("exit 1\n"), text)
-            self.assertIn(f"rebase: --out {out}".replace(str(self.tmp), "<tmp>"), text)
-        self.assertEqual((other / "keep.txt").read_text(), "mine\n")
-        self.assertTrue((self.project.root / ".git").is_dir())
-        self.assertEqual(OVERLAY["torch/fake/beta.py"], self.project.overlay_file("torch/fake/beta.py").read_text())
-        self.assertEqual([p.name for p in self.tmp.iterdir() if p.name.startswith(".")], [])
+    def test_older_release_keeps_the_payload(self) -> None:
+        upstream = self.upstream("9.7.0", OLD_BASE)
+        text = self.run_rebase(upstream)
+        self.assertIn("rebase: torch 9.7.0 added; the bases are now 9.7.0, 9.8.0, 9.9.0", text)
+        after = self.snapshot()
+        for path in ["torch_overlay/torch/fake/alpha.py", "torch_overlay/torch/fake/beta.py"]:
+            self.assertEqual(after[path], self.before[path], path)
+        self.assertEqual((self.project.patches_dir / "series-9.7.0").read_text().split()[-1], "0003-backport.patch")
 
-    def test_conflict_writes_nothing(self) -> None:
-        upstream = self.upstream({"torch/fake/beta.py": ("return 1", "return 10")})
-        out = self.tmp / "out"
+    def test_conflict_changes_nothing(self) -> None:
+        alpha = BASE["torch/fake/alpha.py"].replace("line 3\n", "line 3 upstream\n")
+        text = self.run_rebase(self.upstream("10.0.0", {**BASE, "torch/fake/alpha.py": alpha}))
         self.assertExpectedInline(
-            self.run_rebase(upstream, out),
+            text,
             """\
 exit 1
-torch/fake/alpha.py: clean
-torch/fake/beta.py: CONFLICT (1 conflicting hunks)
-rebase: conflicts; nothing written. Resolve them by hand on torch 10.0.0.
+torch/fake/alpha.py: CONFLICT (1 conflicting hunks)
+torch/fake/beta.py: clean
+rebase: conflicts; nothing changed. The merges, with conflict markers, are in <tmp>/project/build/rebase-10.0.0
 """,
         )
-        self.assertFalse(out.exists())
-        self.assertEqual(OVERLAY["torch/fake/beta.py"], self.project.overlay_file("torch/fake/beta.py").read_text())
+        self.assertEqual(self.snapshot(), self.before)
+        review = self.project.root / "build/rebase-10.0.0/torch/fake/alpha.py"
+        self.assertIn("<<<<<<< overlay/torch/fake/alpha.py", review.read_text())
+
+    def test_runtime_file_changed_upstream_changes_nothing(self) -> None:
+        beta = '"""Beta, now documented upstream."""\n\n\n' + BASE["torch/fake/beta.py"]
+        text = self.run_rebase(self.upstream("10.0.0", {**BASE, "torch/fake/beta.py": beta}))
+        self.assertIn("torch/fake/beta.py: clean", text)
+        self.assertIn(
+            "rebase: torch 10.0.0 changed torch/fake/beta.py upstream, a file the overlay serves at run time; one "
+            "payload cannot serve it and the other bases (9.8.0, 9.9.0). Nothing changed.",
+            text,
+        )
+        self.assertEqual(self.snapshot(), self.before)
+
+    def test_failed_sync_check_puts_every_file_back(self) -> None:
+        """Upstream changed a context line of the backport: the series made on the new release no longer
+        applies to 9.8.0's file, so the release cannot be added as it is."""
+        alpha = BASE["torch/fake/alpha.py"].replace("line 10\n", "line 10 upstream\n")
+        text = self.run_rebase(self.upstream("10.0.0", {**BASE, "torch/fake/alpha.py": alpha}))
+        self.assertIn("torch/fake/alpha.py: clean", text)
+        self.assertIn(
+            "rebase: sync check failed: torch 9.8.0: patches/0003-backport.patch: does not apply in order onto the "
+            "pristine files",
+            text,
+        )
+        self.assertIn("rebase: torch 10.0.0 was not added; every file was put back as it was", text)
+        self.assertEqual(self.snapshot(), self.before)
+        self.assertEqual(self.project.manifest().versions, ("9.8.0", "9.9.0"))
+
+    def test_listed_release_with_other_files_is_refused(self) -> None:
+        edited = {**BASE, "torch/fake/beta.py": "edited\n"}
+        text = self.run_rebase(self.upstream("9.9.0", edited))
+        self.assertIn("exit 1\nrebase: torch 9.9.0 is already a base, but <tmp>/upstream-9.9.0's files differ", text)
+        self.assertEqual(self.snapshot(), self.before)
 
 
 class _Capture:

@@ -9,7 +9,7 @@ import textwrap
 import unittest
 from pathlib import Path
 
-from scratch_env import REPO_ROOT, run
+from scratch_env import REPO_ROOT, clean_env, run
 
 SYNTHETIC_TESTS = textwrap.dedent(
     """
@@ -41,7 +41,34 @@ SYNTHETIC_TESTS = textwrap.dedent(
 )
 
 
+FIXED_UPSTREAM_TESTS = textwrap.dedent(
+    """
+    import unittest
+
+    class T(unittest.TestCase):
+        def test_passes_where_upstream_fixed_it(self):
+            pass
+
+        def test_still_fails_where_upstream_fixed_it(self):
+            raise AssertionError("the stock defect")
+    """
+)
+
+# A backport whose bug every release from 0.0.1 on has fixed: on the installed base, its test must pass on stock.
+SERIES = textwrap.dedent(
+    """
+    [[patch]]
+    name = "backport"
+    title = "t"
+    summary = "s"
+    test_plan = "p"
+    fixed_upstream_in = "0.0.1"
+    tests = ["test/test_fixed_upstream.py"]
+    """
+)
+
 NODE = "test/test_synthetic.py::T::"
+FIXED = "test/test_fixed_upstream.py::T::"
 
 
 def run_stock(red_list: str, *pytest_args: str) -> subprocess.CompletedProcess:
@@ -51,9 +78,13 @@ def run_stock(red_list: str, *pytest_args: str) -> subprocess.CompletedProcess:
         (root / "test" / "overlay").mkdir(parents=True)
         shutil.copy(REPO_ROOT / "test" / "conftest.py", root / "test" / "conftest.py")
         (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
+        (root / "test" / "test_fixed_upstream.py").write_text(FIXED_UPSTREAM_TESTS)
         (root / "test" / "overlay" / "red_on_stock.txt").write_text(red_list)
+        (root / "patches").mkdir()
+        (root / "patches" / "series.toml").write_text(SERIES)
         (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n")
-        return run([sys.executable, "-m", "pytest", "--stock", *pytest_args, "test"], cwd=root)
+        env = clean_env(PYTHONPATH=str(REPO_ROOT))  # tools/, for the conftest
+        return run([sys.executable, "-m", "pytest", "--stock", *pytest_args, "test"], env=env, cwd=root)
 
 
 class RedGreenHarnessTest(unittest.TestCase):
@@ -66,12 +97,15 @@ class RedGreenHarnessTest(unittest.TestCase):
             "test_skipped_at_setup",
             "test_pattern_only_in_source",
         ]
-        result = run_stock("# comment\n" + "".join(f"{NODE}{name} the stock defect\n" for name in listed), "-rA")
+        fixed = ["test_passes_where_upstream_fixed_it", "test_still_fails_where_upstream_fixed_it"]
+        red_list = "# comment\n" + "".join(f"{NODE}{name} the stock defect\n" for name in listed)
+        red_list += "".join(f"{FIXED}{name} the stock defect\n" for name in fixed)
+        result = run_stock(red_list, "-rA")
         self.assertEqual(result.returncode, 1, result.stdout)
         outcomes = {
             name: outcome
             for outcome, name in re.findall(
-                r"^(XFAIL|FAILED|PASSED|SKIPPED) test/test_synthetic.py::T::(\w+)", result.stdout, re.M
+                r"^(XFAIL|FAILED|PASSED|SKIPPED) test/test_\w+.py::T::(\w+)", result.stdout, re.M
             )
         }
         self.assertEqual(
@@ -83,10 +117,20 @@ class RedGreenHarnessTest(unittest.TestCase):
                 "test_skipped_on_stock": "FAILED",
                 "test_skipped_at_setup": "FAILED",
                 "test_pattern_only_in_source": "FAILED",
+                "test_passes_where_upstream_fixed_it": "PASSED",
+                "test_still_fails_where_upstream_fixed_it": "FAILED",
             },
             result.stdout,
         )
-        self.assertIn("does not prove its fix", result.stdout)
+        self.assertIn(
+            f"red-on-stock: {NODE}test_passes_on_stock was expected to fail on stock torch with /the stock defect/ "
+            "but passed: it does not prove its fix",
+            result.stdout,
+        )
+        self.assertIn(
+            "red-on-stock: backport is fixed upstream in torch 0.0.1, so this test must pass on stock torch here",
+            result.stdout,
+        )
         self.assertIn("but not with /the stock defect/", result.stdout)
         self.assertRegex(result.stdout, r"1 deselected")
 
