@@ -55,3 +55,19 @@ def git(repo: Path, *args: str, input: str | None = None, user_config: bool = Fa
         stderr = proc.stderr.decode("utf-8", "replace").strip()
         raise GitError(f"git {' '.join(args)} failed in {repo}:\n{stderr}")
     return proc.stdout.decode("utf-8")
+
+
+def merge_file(ours: bytes, base: bytes, theirs: bytes, labels: tuple[str, str, str]) -> tuple[int, bytes]:
+    """``git merge-file -p``: (number of conflicting hunks, the merge with conflict markers where they are)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="torch-overlay-merge-") as tmp:
+        files = []
+        for name, content in zip(("ours", "base", "theirs"), (ours, base, theirs), strict=True):
+            (Path(tmp) / name).write_bytes(content)
+            files.append(str(Path(tmp) / name))
+        named = [arg for label in labels for arg in ("-L", label)]
+        proc = run(Path(tmp), "merge-file", "-p", *named, *files)
+    if proc.returncode < 0 or proc.returncode > 127:
+        raise GitError(f"git merge-file failed on {labels[0]}:\n{proc.stderr.decode('utf-8', 'replace')}")
+    return proc.returncode, proc.stdout

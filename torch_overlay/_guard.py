@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_overlay._manifest import Base, Manifest, hash_mismatches, load_manifest, sha256_of
+from torch_overlay._manifest import Base, Manifest, hash_mismatches, load_manifest, sha256_of, version_key
 
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
 
@@ -53,13 +53,17 @@ class BaseCheck:
     def matched(self) -> Base | None:
         """The base the overlay serves this torch as; None when it must refuse.
 
-        The listed base of the installed version when its files match; for an unlisted version, the newest
-        base whose files are all identical.
+        The listed base of the installed version when its files match; for an unlisted version, of the bases
+        whose files are all identical, the newest not newer than it (its series carries the backports a release
+        of that age needs), else the oldest.
         """
         if self.listed is not None:
             return self.listed if not hash_mismatches(self.listed.sha256, self.found) else None
         same = self.manifest.bases_with_files(self.found)
-        return same[0] if same else None
+        if not same or self.found_version is None:
+            return same[0] if same else None
+        found = version_key(self.found_version)
+        return next((b for b in same if version_key(b.version) <= found), same[-1])
 
     @property
     def ok(self) -> bool:
