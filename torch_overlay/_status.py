@@ -47,7 +47,11 @@ class OverlayStatus:
         rows = []
         if self.base is not None:
             rows.append(("torch", f"{self.base.found_version} at {self.base.torch_dir}"))
-            rows.append(("base", self.base.summary()))
+            if self.fork is not None:  # the files are the patched ones, on purpose
+                base = f"torch {self.fork.base_version}, {len(self.base.found)} files: patched by fork mode"
+            else:
+                base = self.base.summary()
+            rows.append(("base", base))
         else:
             rows.append(("torch", f"not found ({self.base_error})"))
         hook = self.persistent_hook

@@ -121,7 +121,9 @@ class TestForkMode(expecttest.TestCase):
 torch-overlay: fork mode already applied (1 patches; nothing changed)
 """,
         )
-        self.assertIn("fork mode:     applied (1 patches in place)", self.cli("status"))
+        status = self.cli("status")
+        self.assertIn("fork mode:     applied (1 patches in place)", status)
+        self.assertIn(f"base:          torch {self.version}, 4 files: patched by fork mode", status)
         self.assertExpectedInline(
             self.cli("check"),
             """\
