@@ -8,8 +8,17 @@ from torch.testing._internal.common_fsdp import FSDPTestContinuous
 class FSDPTestContinuousCPU(FSDPTestContinuous):
     """
     ``FSDPTestContinuous`` that also runs on CPU with gloo: it skips when there
-    are fewer accelerators than ranks, and these tests need none.
+    are fewer accelerators than ranks, and these tests need none. With fewer
+    accelerators than ranks (none, or one GPU for two ranks), the ranks use
+    the CPU and gloo, not the accelerator's backend (NCCL cannot put two ranks
+    on one GPU, nor take CPU tensors).
     """
+
+    @classmethod
+    def backend_str(cls) -> str:
+        if torch.accelerator.device_count() >= cls.world_size:
+            return super().backend_str()
+        return "gloo"
 
     @classmethod
     def _init_pg(cls, rank, world_size, rdvz_file):
