@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
-from tools.series import Patch, SeriesError, file_states, load_series, series_for
+from tools.series import Patch, SeriesError, file_states, load_series
 from torch_overlay import _git
 from torch_overlay._patchset import SERIES_FILE
 
@@ -144,7 +144,7 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
     base = found.files(manifest.payload_base)
     try:
         patches = load_series(project.series_toml)
-        unneeded = [p.name for p in patches if p not in series_for(patches, manifest.bases[0].version)]
+        unneeded = [p.name for p in patches if not p.needed_on(manifest.bases[0].version)]
         if unneeded:
             raise SeriesError(
                 f"{project.series_toml}: {', '.join(unneeded)}: fixed upstream at or before the oldest base, "
