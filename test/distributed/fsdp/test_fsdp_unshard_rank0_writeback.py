@@ -367,25 +367,36 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
 
     def test_rank0_writeback_failed_collective_frees_nothing(self):
         """
-        If waiting for a writeback collective fails, the error reaches every rank at once and rank 0 frees
-        nothing: with NCCL, the collective may still be reading the unsharded parameter.
+        If waiting for a writeback collective fails, the error reaches every rank and rank 0 frees nothing:
+        with NCCL, the collective may still be reading the unsharded parameter. The other units' collectives
+        are waited for first, so that no rank frees or reuses a buffer that one of them still sends from.
         """
         model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device)
         with FSDP.summon_full_params(model, writeback=False):
             pass
         scatter = dist.scatter
+        started = []
+        waited = []
 
         class FailingWork:
-            def __init__(self, work: dist.Work) -> None:
+            """The first unit's scatter fails once it finished; the others succeed."""
+
+            def __init__(self, work: dist.Work, fails: bool) -> None:
                 self._work = work
+                self._fails = fails
 
             def wait(self, *args, **kwargs):
                 self._work.wait(*args, **kwargs)
-                raise _BodyError("collective failed")
+                waited.append(self)
+                if self._fails:
+                    raise _BodyError("collective failed")
 
         def failing_scatter(*args, **kwargs):
             work = scatter(*args, **kwargs)
-            return FailingWork(work) if work is not None else None
+            if work is None:
+                return None
+            started.append(FailingWork(work, fails=not started))
+            return started[-1]
 
         raised = False
         with mock.patch.object(dist, "scatter", failing_scatter):
@@ -395,6 +406,9 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
             except _BodyError:
                 raised = True
         self.assertTrue(raised)
+        # Both units scattered, and the second unit's scatter finished although the first one's failed
+        self.assertEqual(len(started), 2)
+        self.assertEqual(waited, started)
         for fsdp_module in FSDP.fsdp_modules(model):
             handle = fsdp_module._handle
             self.assertEqual(handle._training_state, HandleTrainingState.SUMMON_FULL_PARAMS)

@@ -163,16 +163,22 @@ class _Rank0WritebackCall:
         """
         Waits for all collectives, then runs the callbacks in the order they
         were added, each even if an earlier one raised, and raises the first
-        error. If a collective fails, its error propagates at once and no
-        callback runs: the collective's buffers may still be in use (e.g. by
-        an NCCL kernel), so they are not freed, as when a collective fails
-        elsewhere in FSDP.
+        error. If a collective fails, the others are still waited for (their
+        buffers must not be freed while in flight), then its error propagates
+        and no callback runs: the failed collective's buffers may still be in
+        use (e.g. by an NCCL kernel), so they are not freed, as when a
+        collective fails elsewhere in FSDP.
         """
         works, self._works = self._works, []
         callbacks, self._callbacks = self._callbacks, []
-        for work in works:
-            work.wait()
         error: Exception | None = None
+        for work in works:
+            try:
+                work.wait()
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
         for callback in callbacks:
             try:
                 callback()
