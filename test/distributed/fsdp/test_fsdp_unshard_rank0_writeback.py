@@ -1,5 +1,6 @@
 # Owner(s): ["oncall: distributed"]
 
+import contextlib
 import copy
 import sys
 from unittest import mock
@@ -48,6 +49,17 @@ def _edited_values(params) -> list[torch.Tensor]:
     return [torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * 0.25 - 3.0 for p in params]
 
 
+def _grad_values(params) -> list[torch.Tensor]:
+    """What rank 0 writes into the full gradients: distinct values, none a parameter's."""
+    return [torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * -0.125 + 1.0 for p in params]
+
+
+def _backward(model: nn.Module, device: torch.device) -> None:
+    """A forward and backward on the same input on every rank: every rank has a gradient."""
+    inp = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    model(inp.to(device)).sum().backward()
+
+
 def _largest_allocation_bytes(prof: profile, device: torch.device) -> int:
     """The largest single allocation on ``device`` while profiling with ``profile_memory=True``."""
     sizes = [
@@ -83,6 +95,60 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
             params = list(model.parameters())
             for param, value in zip(params, _edited_values(params), strict=True):
                 self.assertTrue(torch.equal(param.cpu(), value), f"rank {self.rank}: {param} != {value}")
+
+    def _check_rank0_grad_writeback(
+        self, model: FSDP, reference: nn.Module, offload_to_cpu: bool, is_src: bool
+    ) -> None:
+        """
+        Rank 0 edits the full parameters and gradients with ``with_grads=True, writeback=True, rank0_only=True``;
+        every rank has them after, bitwise, and an optimizer step and a training step after match ``reference``
+        (the unwrapped model) given the same edits.
+        """
+        with FSDP.summon_full_params(
+            model, writeback=True, rank0_only=True, offload_to_cpu=offload_to_cpu, with_grads=True
+        ):
+            params = list(model.parameters())
+            with torch.no_grad():
+                if is_src:
+                    for param, value, grad in zip(params, _edited_values(params), _grad_values(params), strict=True):
+                        param.copy_(value.to(param.device))
+                        param.grad.copy_(grad.to(param.device))
+                else:
+                    for param in params:
+                        param.fill_(123.0)
+                        if param.grad is not None:
+                            param.grad.fill_(123.0)
+        self._check_idle_and_resharded(model)
+        ref_params = list(reference.parameters())
+        with torch.no_grad():
+            for param, value, grad in zip(ref_params, _edited_values(ref_params), _grad_values(ref_params), strict=True):
+                param.copy_(value)
+                param.grad = grad
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            for param, ref_param in zip(model.parameters(), ref_params, strict=True):
+                self.assertTrue(torch.equal(param.cpu(), ref_param), f"rank {self.rank}: {param} != {ref_param}")
+                self.assertTrue(torch.equal(param.grad.cpu(), ref_param.grad), f"rank {self.rank}: {param.grad}")
+        # The optimizer steps with the written-back gradients on every rank's shard
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+        optim.step()
+        ref_optim.step()
+        with FSDP.summon_full_params(model, writeback=False):
+            for param, ref_param in zip(model.parameters(), ref_params, strict=True):
+                self.assertTrue(torch.equal(param.cpu(), ref_param), f"rank {self.rank}: {param} != {ref_param}")
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        inp = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+        for _ in range(2):
+            loss = model(inp.to(self.device)).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            ref_loss = reference(inp).sum()
+            ref_loss.backward()
+            ref_optim.step()
+            ref_optim.zero_grad()
+            self.assertEqual(loss.cpu(), ref_loss)
 
     def _check_idle_and_resharded(self, model: FSDP) -> None:
         """After a ``writeback=True, rank0_only=True`` context, every rank (the source too) is idle and sharded."""
@@ -419,18 +485,154 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
             handle._training_state = HandleTrainingState.IDLE
         self._check_idle_and_resharded(model)
 
-    def test_rank0_writeback_with_grads_raises(self):
-        """Gradients are not written back from rank 0: asking for it is a clear error on every rank."""
-        model = _wrap(_make_reference(), process_group=self.process_group, device_id=self.device, use_orig_params=True)
-        # NOTE: `assertRaises` would turn a `NotImplementedError` with another message into a skip.
-        try:
+    def test_rank0_writeback_with_grads(self):
+        """
+        Rank 0's edits to the full gradients reach every rank too, bitwise, and an optimizer step and a training
+        step after the call match a reference that applied the same edits.
+        """
+        self.run_subtests(
+            {
+                "sharding_strategy": [
+                    ShardingStrategy.FULL_SHARD,
+                    ShardingStrategy.SHARD_GRAD_OP,
+                    ShardingStrategy.NO_SHARD,
+                ],
+                "use_orig_params": [True, False],
+                "offload_to_cpu": [False, True],
+            },
+            self._test_rank0_writeback_with_grads,
+        )
+
+    def _test_rank0_writeback_with_grads(self, sharding_strategy, use_orig_params, offload_to_cpu):
+        reference = _make_reference()
+        model = _wrap(
+            reference,
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        _backward(model, self.device)
+        self._check_rank0_grad_writeback(model, reference, offload_to_cpu, is_src=self.rank == 0)
+
+    def test_rank0_writeback_with_grads_none(self):
+        """
+        A rank without a gradient receives rank 0's (rank 0 edits what the others have), and without a gradient
+        on any rank, the parameters are written back and no rank gets one.
+        """
+        self.run_subtests(
+            {
+                "sharding_strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD],
+                "use_orig_params": [True, False],
+                "grad_on": ["rank 0", "no rank"],
+            },
+            self._test_rank0_writeback_with_grads_none,
+        )
+
+    def _test_rank0_writeback_with_grads_none(self, sharding_strategy, use_orig_params, grad_on):
+        reference = _make_reference()
+        model = _wrap(
+            reference,
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        _backward(model, self.device)
+        if grad_on == "no rank" or self.rank != 0:
+            model.zero_grad(set_to_none=True)
+        if grad_on == "rank 0":
+            self._check_rank0_grad_writeback(model, reference, offload_to_cpu=False, is_src=self.rank == 0)
+            return
+        with FSDP.summon_full_params(model, writeback=True, rank0_only=True, with_grads=True):
+            params = list(model.parameters())
+            if self.rank == 0:
+                self.assertTrue(all(param.grad is None for param in params))
+                with torch.no_grad():
+                    for param, value in zip(params, _edited_values(params), strict=True):
+                        param.copy_(value)
+        self._check_idle_and_resharded(model)
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            params = list(model.parameters())
+            for param, value in zip(params, _edited_values(params), strict=True):
+                self.assertTrue(torch.equal(param.cpu(), value))
+                self.assertIsNone(param.grad)
+
+    def test_rank0_writeback_with_grads_body_raises(self):
+        """If the body raises on rank 0 after editing gradients, no rank's gradient changes."""
+        self.run_subtests(
+            {
+                "sharding_strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD],
+                "use_orig_params": [True, False],
+            },
+            self._test_rank0_writeback_with_grads_body_raises,
+        )
+
+    def _test_rank0_writeback_with_grads_body_raises(self, sharding_strategy, use_orig_params):
+        model = _wrap(
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        _backward(model, self.device)
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            before = [(param.detach().clone(), param.grad.clone()) for param in model.parameters()]
+        with self.assertRaisesRegex(_BodyError, "after the edit") if self.rank == 0 else contextlib.nullcontext():
             with FSDP.summon_full_params(model, writeback=True, rank0_only=True, with_grads=True):
-                pass
-        except NotImplementedError as error:
-            message = str(error)
-        else:
-            message = "no error"
-        self.assertIn("do not support with_grads=True", message)
+                if self.rank == 0:
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            param.fill_(7.0)
+                            param.grad.fill_(7.0)
+                    raise _BodyError("after the edit")
+        self._check_idle_and_resharded(model)
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            for param, (value, grad) in zip(model.parameters(), before, strict=True):
+                self.assertTrue(torch.equal(param, value))
+                self.assertTrue(torch.equal(param.grad, grad))
+
+    def test_rank0_writeback_no_shard_cpu_offload_on_accelerator_raises(self):
+        """
+        ``NO_SHARD`` with ``CPUOffload(offload_params=True)`` on an accelerator would lose rank 0's change on rank
+        0 (resharding restores its CPU copy): every rank refuses it before any collective. The offload and the
+        accelerator are faked on the handle, which the check reads; nothing runs with them.
+        """
+        model = FSDP(
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=ShardingStrategy.NO_SHARD,
+        )
+        handle = model._handle
+        collectives = []
+
+        def record(name):
+            def collective(*args, **kwargs):
+                collectives.append(name)
+                raise AssertionError(f"{name} called")
+
+            return collective
+
+        names = ["all_reduce", "broadcast", "gather", "scatter", "all_gather_into_tensor", "barrier"]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(handle, "_offload_params", True))
+            stack.enter_context(mock.patch.object(handle, "device", torch.device("cuda")))
+            for name in names:
+                stack.enter_context(mock.patch.object(dist, name, record(name)))
+            with self.assertRaisesRegex(NotImplementedError, "NO_SHARD with CPUOffload.*Use a sharded strategy"):
+                with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+                    pass
+            # Only that combination: a sharded strategy, or the CPU as compute device, passes the check
+            for sharded, device in [(True, torch.device("cuda")), (False, torch.device("cpu"))]:
+                with mock.patch.object(type(handle), "uses_sharded_strategy", sharded), mock.patch.object(
+                    handle, "device", device
+                ):
+                    unshard_param_utils._validate_rank0_writeback(model)
+        self.assertEqual(collectives, [])
+        self.assertEqual(handle._training_state, HandleTrainingState.IDLE)
+        self._check_rank0_writeback(model, offload_to_cpu=False, is_src=self.rank == 0)
 
 
 class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
@@ -469,6 +671,30 @@ class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
             use_orig_params=use_orig_params,
         )
         self._check_other_ranks_allocate_at_most_a_shard(model, is_src=self.rank == 0)
+
+    def test_rank0_writeback_hybrid_shard_with_grads(self):
+        """Rank 0's edits to the gradients reach every replica too."""
+        mesh = init_device_mesh(self.device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+        self.run_subtests(
+            {
+                "sharding_strategy": [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2],
+                "use_orig_params": [True, False],
+            },
+            self._test_rank0_writeback_hybrid_shard_with_grads,
+            mesh=mesh,
+        )
+
+    def _test_rank0_writeback_hybrid_shard_with_grads(self, sharding_strategy, use_orig_params, mesh):
+        reference = _make_reference()
+        model = _wrap(
+            reference,
+            device_mesh=mesh,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        _backward(model, self.device)
+        self._check_rank0_grad_writeback(model, reference, offload_to_cpu=True, is_src=self.rank == 0)
 
 
 if __name__ == "__main__":
