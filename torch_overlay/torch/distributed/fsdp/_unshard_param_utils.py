@@ -75,135 +75,6 @@ def _writeback_to_local_shard(
             existing_grad[: grad_shard.numel()].copy_(grad_shard)
 
 
-def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
-    """
-    De-registers the flattened parameter from the wrapped module, hiding it
-    from ``nn.Module`` methods.
-
-    We do not use ``del`` because we want ``FLAT_PARAM`` to always be an
-    attribute but dynamically change whether it is visible to ``nn.Module``
-    methods.
-    """
-    if _has_fsdp_params(state, module):
-        # TODO: figure out the case for the composable APIs.
-        cast(nn.Module, module.module)._parameters.pop(FLAT_PARAM, None)
-
-
-def _register_flat_param(state: _FSDPState, module: nn.Module) -> None:
-    """
-    Registers the flattened parameter to the wrapped module, making it
-    visible to ``nn.Module`` methods.
-
-    We do not use :meth:`nn.Module.register_parameter` because we want
-    ``FLAT_PARAM`` to always be an attribute but dynamically change whether
-    it is visible to ``nn.Module`` methods.
-    """
-    handle = _module_handle(state, module)
-    if _has_fsdp_params(state, module):
-        # TODO: figure out the case for the composable APIs.
-        cast(nn.Module, module.module)._parameters[FLAT_PARAM] = handle.flat_param
-
-
-@contextlib.contextmanager
-def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
-    """
-    Assumes that the flattened parameter is unsharded. When in the context,
-    de-registers the flattened parameter and unflattens the original
-    parameters as ``nn.Parameter`` views into the flattened parameter.
-    After the context, re-registers the flattened parameter and restores
-    the original parameters as ``Tensor`` views into the flattened
-    parameter.
-    """
-    handle = _module_handle(state, module)
-    if not handle:
-        yield
-    else:
-        _deregister_flat_param(state, module)
-        try:
-            with handle.unflatten_as_params():
-                yield
-        finally:
-            if not handle._use_orig_params:
-                _register_flat_param(state, module)
-
-
-def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
-    """
-    Unshards the handle's gradient like ``_unshard_grads()``. Without
-    ``use_orig_params``, the original parameters only exist while
-    ``_unflatten_as_params()`` registers them, so ``_unsharded_grad_views()``
-    sets their gradients then.
-    """
-    flat_param = handle.flat_param
-    if handle._use_orig_params:
-        _unshard_grads(handle)
-        return
-    # NOTE: `unshard_grad()` ends by setting the gradients of the original
-    # parameters, which it clears via `_params` and `_shared_params` if all
-    # ranks have a `None` gradient; these lists are `None` without
-    # `use_orig_params` (a `TypeError`), and there is nothing to clear yet.
-    # Empty lists for the call are the least bad option here: the fix belongs
-    # in `FlatParamHandle._use_unsharded_grad_views()`, and working around it
-    # otherwise means duplicating `unshard_grad()`'s collectives or adding an
-    # all-reduce to learn whether any rank has a gradient.
-    flat_param._params, flat_param._shared_params = [], []
-    try:
-        _unshard_grads(handle)
-    finally:
-        flat_param._params, flat_param._shared_params = None, None
-
-
-@contextlib.contextmanager
-def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator:
-    """
-    Assumes that the gradient is unsharded. When in the context, sets the
-    original parameters' gradients to views into the unsharded gradient, on
-    CPU if the parameters were offloaded to CPU: then the gradient is copied
-    to CPU, and back to the compute device upon exit if ``writeback=True`` or
-    for ``NO_SHARD`` (whose changes persist regardless of ``writeback``).
-    """
-    flat_param = handle.flat_param
-    grad = flat_param.grad
-    if grad is None:
-        # No rank has a gradient, and neither has any original parameter
-        yield
-        return
-    offloaded = grad.device != flat_param.device
-    if offloaded:
-        flat_param.grad = grad.to(flat_param.device)
-    if offloaded or not handle._use_orig_params:
-        handle._use_unsharded_grad_views()
-    try:
-        yield
-    finally:
-        if offloaded:
-            if writeback or not handle.uses_sharded_strategy:
-                grad.copy_(flat_param.grad)
-            # NOTE: The parameter moves back to the compute device after this
-            # context, so point its gradient back there already (using `.data`
-            # like `_use_unsharded_grad_views()` to bypass the device check).
-            flat_param.grad.data = grad
-
-
-@contextlib.contextmanager
-def _no_shard_to_cpu(handle: FlatParamHandle) -> Generator:
-    """
-    The ``NO_SHARD`` counterpart of ``FlatParamHandle.to_cpu()``: when in the
-    context, the flattened parameter is a CPU copy of the one on the compute
-    device, which gets the CPU copy's values upon exit (with ``NO_SHARD``,
-    changes persist regardless of ``writeback``).
-    """
-    flat_param = handle.flat_param
-    device_flat_param = flat_param.data
-    handle.flat_param_to(torch.device("cpu"))
-    try:
-        yield
-    finally:
-        device_flat_param.copy_(flat_param.data)
-        flat_param.data = device_flat_param
-        handle._use_unsharded_views(as_params=handle._use_orig_params)
-
-
 # NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``).
 #
 # Only the source holds full parameters (and gradients, with
@@ -731,6 +602,135 @@ def _unshard_fsdp_state_params_from_rank0(
         )
         if owns_call or (offload_to_cpu and handle.device.type != "cpu"):
             call.frees.wait()
+
+
+def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
+    """
+    De-registers the flattened parameter from the wrapped module, hiding it
+    from ``nn.Module`` methods.
+
+    We do not use ``del`` because we want ``FLAT_PARAM`` to always be an
+    attribute but dynamically change whether it is visible to ``nn.Module``
+    methods.
+    """
+    if _has_fsdp_params(state, module):
+        # TODO: figure out the case for the composable APIs.
+        cast(nn.Module, module.module)._parameters.pop(FLAT_PARAM, None)
+
+
+def _register_flat_param(state: _FSDPState, module: nn.Module) -> None:
+    """
+    Registers the flattened parameter to the wrapped module, making it
+    visible to ``nn.Module`` methods.
+
+    We do not use :meth:`nn.Module.register_parameter` because we want
+    ``FLAT_PARAM`` to always be an attribute but dynamically change whether
+    it is visible to ``nn.Module`` methods.
+    """
+    handle = _module_handle(state, module)
+    if _has_fsdp_params(state, module):
+        # TODO: figure out the case for the composable APIs.
+        cast(nn.Module, module.module)._parameters[FLAT_PARAM] = handle.flat_param
+
+
+@contextlib.contextmanager
+def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
+    """
+    Assumes that the flattened parameter is unsharded. When in the context,
+    de-registers the flattened parameter and unflattens the original
+    parameters as ``nn.Parameter`` views into the flattened parameter.
+    After the context, re-registers the flattened parameter and restores
+    the original parameters as ``Tensor`` views into the flattened
+    parameter.
+    """
+    handle = _module_handle(state, module)
+    if not handle:
+        yield
+    else:
+        _deregister_flat_param(state, module)
+        try:
+            with handle.unflatten_as_params():
+                yield
+        finally:
+            if not handle._use_orig_params:
+                _register_flat_param(state, module)
+
+
+def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
+    """
+    Unshards the handle's gradient like ``_unshard_grads()``. Without
+    ``use_orig_params``, the original parameters only exist while
+    ``_unflatten_as_params()`` registers them, so ``_unsharded_grad_views()``
+    sets their gradients then.
+    """
+    flat_param = handle.flat_param
+    if handle._use_orig_params:
+        _unshard_grads(handle)
+        return
+    # NOTE: `unshard_grad()` ends by setting the gradients of the original
+    # parameters, which it clears via `_params` and `_shared_params` if all
+    # ranks have a `None` gradient; these lists are `None` without
+    # `use_orig_params` (a `TypeError`), and there is nothing to clear yet.
+    # Empty lists for the call are the least bad option here: the fix belongs
+    # in `FlatParamHandle._use_unsharded_grad_views()`, and working around it
+    # otherwise means duplicating `unshard_grad()`'s collectives or adding an
+    # all-reduce to learn whether any rank has a gradient.
+    flat_param._params, flat_param._shared_params = [], []
+    try:
+        _unshard_grads(handle)
+    finally:
+        flat_param._params, flat_param._shared_params = None, None
+
+
+@contextlib.contextmanager
+def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator:
+    """
+    Assumes that the gradient is unsharded. When in the context, sets the
+    original parameters' gradients to views into the unsharded gradient, on
+    CPU if the parameters were offloaded to CPU: then the gradient is copied
+    to CPU, and back to the compute device upon exit if ``writeback=True`` or
+    for ``NO_SHARD`` (whose changes persist regardless of ``writeback``).
+    """
+    flat_param = handle.flat_param
+    grad = flat_param.grad
+    if grad is None:
+        # No rank has a gradient, and neither has any original parameter
+        yield
+        return
+    offloaded = grad.device != flat_param.device
+    if offloaded:
+        flat_param.grad = grad.to(flat_param.device)
+    if offloaded or not handle._use_orig_params:
+        handle._use_unsharded_grad_views()
+    try:
+        yield
+    finally:
+        if offloaded:
+            if writeback or not handle.uses_sharded_strategy:
+                grad.copy_(flat_param.grad)
+            # NOTE: The parameter moves back to the compute device after this
+            # context, so point its gradient back there already (using `.data`
+            # like `_use_unsharded_grad_views()` to bypass the device check).
+            flat_param.grad.data = grad
+
+
+@contextlib.contextmanager
+def _no_shard_to_cpu(handle: FlatParamHandle) -> Generator:
+    """
+    The ``NO_SHARD`` counterpart of ``FlatParamHandle.to_cpu()``: when in the
+    context, the flattened parameter is a CPU copy of the one on the compute
+    device, which gets the CPU copy's values upon exit (with ``NO_SHARD``,
+    changes persist regardless of ``writeback``).
+    """
+    flat_param = handle.flat_param
+    device_flat_param = flat_param.data
+    handle.flat_param_to(torch.device("cpu"))
+    try:
+        yield
+    finally:
+        device_flat_param.copy_(flat_param.data)
+        flat_param.data = device_flat_param
+        handle._use_unsharded_views(as_params=handle._use_orig_params)
 
 
 def _validate_unshard_params_args(
