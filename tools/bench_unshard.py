@@ -5,7 +5,8 @@ Side by side in one run, on the same FSDP model (FULL_SHARD, one FSDP unit per l
 (a) ours: ``summon_full_params(writeback=True, rank0_only=True)`` with the overlay active; rank 0 edits.
 (b) a hand-written workaround on stock torch: ``summon_full_params(writeback=True)`` on every rank, rank 0
     edits, then every full parameter is broadcast from rank 0 by hand before the context writes back the shards.
-(c) the floor: one bare ``dist.scatter`` of the same bytes (every rank's padded shards) from rank 0.
+(c) the floor: one bare ``dist.gather`` to rank 0, then one ``dist.scatter`` from it, of the same bytes
+    (every rank's padded shards); the scatter is the floor of the writeback.
 (d) what a user picks today without the overlay: ``torch.distributed.checkpoint.state_dict``'s
     ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (rank 0 gets the full state dict), rank 0
     edits it, then ``set_model_state_dict(..., broadcast_from_rank0=True)``. It runs FSDP's stock code paths
@@ -14,8 +15,7 @@ Side by side in one run, on the same FSDP model (FULL_SHARD, one FSDP unit per l
 And for gradients, after a backward, rank 0 edits the full parameters and gradients:
 
 (e) ours: ``summon_full_params(with_grads=True, writeback=True, rank0_only=True)``.
-(f) its floor: one ``dist.gather`` to rank 0, then one ``dist.scatter`` from it, of params plus grads (twice the
-    bytes of (c)).
+(f) its floor: as (c), of params plus grads (twice the bytes).
 
 Peak extra memory is measured per rank as the peak resident set size (``VmHWM`` in ``/proc/self/status``,
 after resetting it by writing ``5`` to ``/proc/self/clear_refs``) minus the resident set size just before.
@@ -28,7 +28,7 @@ is also given per repeat (median and range). "writeback" is the same interval fo
 barrier that every rank passes once the body is done (rank 0 finished its edit) to a barrier after the context
 exits; for (c), from a barrier to a barrier after the scatter. "total" starts at a barrier before entering the
 context, so it includes unsharding on entry and rank 0's edit. "gather + writeback" leaves the edit out: from
-that barrier to a barrier at the start of the body, plus the writeback; it is what (e) and (f) are compared by.
+that barrier to a barrier at the start of the body, plus the writeback.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, qu
     # (a) ours, activated before the model is built, and (c) the floor, alternating in each repeat (which goes
     # first alternates too), so that a change in the machine's load hits both alike
     model = _build_model(layers, width)
-    floor = _floor(shard_numel, rank)
+    floor = _floor(shard_numel, rank, gather=True)
     for i in range(repeats):
         for key in ("a", "c") if i % 2 == 0 else ("c", "a"):
             results[key].append(_measure((lambda: _ours(model, rank)) if key == "a" else floor))
@@ -315,22 +315,23 @@ def main(argv: list[str] | None = None) -> int:
     names = {
         "a": "(a) rank-0 writeback (overlay)",
         "b": "(b) all ranks + broadcast by hand (stock)",
-        "c": "(c) floor of (a): one dist.scatter",
+        "c": "(c) floor of (a)-(d): gather + scatter",
         "d": "(d) DCP get/set_model_state_dict (stock paths)",
         "e": "(e) rank-0 writeback + grads (overlay)",
         "f": "(f) floor of (e): gather + scatter, 2x",
     }
     print(f"one shard = {shard_bytes / MIB:.1f} MiB; peak extra = max over ranks 1-3 of VmHWM - VmRSS before")
-    print("x floor: writeback s over (c)'s for (a)-(d); gather + writeback s over (f)'s for (e)-(f)")
-    header = f"{'method':<44}{'total s':>9}{'gather+wb s':>13}{'writeback s':>13}{'x floor':>9}"
+    print("x floor: over (c) for (a)-(d), over (f) for (e)-(f)")
+    header = f"{'method':<50}{'total s':>9}{'gather+wb s':>13}{'x floor':>9}{'writeback s':>13}{'x floor':>9}"
     print(f"{header}{'peak extra MiB':>16}{'shards':>8}")
     for key, (total, moved, writeback, peak) in rows.items():
-        ratio = writeback / rows["c"][2] if key in "abcd" else moved / rows["f"][1]
+        floor_row = rows["c" if key in "abcd" else "f"]
         print(
-            f"{names[key]:<44}{total:>9.3f}{moved:>13.3f}{writeback:>13.3f}{ratio:>9.2f}"
-            f"{peak / MIB:>16.1f}{peak / shard_bytes:>8.2f}"
+            f"{names[key]:<50}{total:>9.3f}{moved:>13.3f}{moved / floor_row[1]:>9.2f}{writeback:>13.3f}"
+            f"{writeback / floor_row[2]:>9.2f}{peak / MIB:>16.1f}{peak / shard_bytes:>8.2f}"
         )
     print(f"writeback {paired('a', 'c', lambda key: slowest_s(key, 'writeback_s'))}")
+    print(f"writeback {paired('e', 'f', lambda key: slowest_s(key, 'writeback_s'))}")
     print(f"gather + writeback {paired('e', 'f', moved_s)}")
     return 0
 

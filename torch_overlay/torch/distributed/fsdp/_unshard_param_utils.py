@@ -107,9 +107,10 @@ def _writeback_to_local_shard(
 #    every rank return to ``IDLE`` (``_Rank0DeferredFrees.wait()``); if one
 #    failed, nothing is freed, as a failed collective may still read its
 #    buffers. With ``offload_to_cpu=True`` on an accelerator, each handle
-#    waits before the next one exits, so that the device holds one handle's
-#    unsharded parameter at a time while they exit, plus the next handle's
-#    own copy while it moves back from CPU. The unsharded parameter is freed
+#    copies its unsharded parameter back to the device upon exit, so it
+#    waits and frees it before the next handle exits: what the writeback
+#    needs on the device grows with the largest handle, not with the model.
+#    The unsharded parameter is freed
 #    even if it was allocated before the context (e.g. the root's after a
 #    forward), so that no rank keeps a copy that disagrees with its shard.
 
