@@ -192,6 +192,34 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
                 self.assertEqual(param.grad.cpu(), ref_param.grad)
         self._train_step_and_compare(model, reference)
 
+    def test_with_grads_flat_params_after_optimizer_step(self):
+        """
+        ``with_grads=True`` with ``use_orig_params=False`` after the flat parameter
+        changed in place (an optimizer step): the full gradients are still exposed.
+        """
+        self.run_subtests(
+            {"sharding_strategy": STRATEGIES, "offload_to_cpu": [False, True]},
+            self._test_with_grads_flat_params_after_optimizer_step,
+        )
+
+    def _test_with_grads_flat_params_after_optimizer_step(
+        self, sharding_strategy, offload_to_cpu
+    ):
+        reference = _make_reference()
+        model = self._wrap(reference, sharding_strategy, use_orig_params=False)
+        for module in (model, reference):
+            module(self._input().to(self.device)).sum().backward()
+            torch.optim.SGD(module.parameters(), lr=0.1).step()
+        with FSDP.summon_full_params(
+            model, writeback=False, offload_to_cpu=offload_to_cpu, with_grads=True
+        ):
+            for param, ref_param in zip(
+                model.parameters(), reference.parameters(), strict=True
+            ):
+                self.assertEqual(param.cpu(), ref_param)
+                self.assertEqual(param.grad.cpu(), ref_param.grad)
+        self._assert_idle(model)
+
     def test_summon_sequence_between_steps(self):
         """
         Any sequence of ``summon_full_params`` options between training steps leaves

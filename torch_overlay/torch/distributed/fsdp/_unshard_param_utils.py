@@ -664,23 +664,23 @@ def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
     ``_unflatten_as_params()`` registers them, so ``_unsharded_grad_views()``
     sets their gradients then.
     """
-    flat_param = handle.flat_param
     if handle._use_orig_params:
         _unshard_grads(handle)
         return
     # NOTE: `unshard_grad()` ends by setting the gradients of the original
-    # parameters, which it clears via `_params` and `_shared_params` if all
-    # ranks have a `None` gradient; these lists are `None` without
-    # `use_orig_params` (a `TypeError`), and there is nothing to clear yet.
-    # Empty lists for the call are the least bad option here: the fix belongs
-    # in `FlatParamHandle._use_unsharded_grad_views()`, and working around it
-    # otherwise means duplicating `unshard_grad()`'s collectives or adding an
-    # all-reduce to learn whether any rank has a gradient.
-    flat_param._params, flat_param._shared_params = [], []
+    # parameters, which are not registered yet: without `use_orig_params`,
+    # they are plain views into the flat parameter, whose `grad` cannot be
+    # set once the flat parameter changed in place (e.g. an optimizer step;
+    # "a view and its base ... has been modified inplace"), and if all ranks
+    # have a `None` gradient it clears them via `_params`, which is `None`
+    # (a `TypeError`). Skipping that step for the call is the least bad
+    # option here: the fix belongs in `FlatParamHandle.unshard_grad()`, and
+    # working around it otherwise means duplicating its collectives.
+    handle._use_unsharded_grad_views = lambda: None  # type: ignore[method-assign]
     try:
         _unshard_grads(handle)
     finally:
-        flat_param._params, flat_param._shared_params = None, None
+        del handle._use_unsharded_grad_views
 
 
 @contextlib.contextmanager
