@@ -134,10 +134,9 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
     ) -> None:
         """
         Rank 0 edits the full parameters and gradients with ``with_grads=True,
-        writeback=True, rank0_only=True``;
-        every rank has them after, bitwise, and an optimizer step and a training step
-        after match ``reference``
-        (the unwrapped model) given the same edits.
+        writeback=True, rank0_only=True``; every rank has them after, bitwise, and an
+        optimizer step and a training step after match ``reference`` (the unwrapped
+        model) given the same edits.
         """
         with FSDP.summon_full_params(
             model,
@@ -227,17 +226,18 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
                 )
 
     def _check_other_ranks_allocate_at_most_a_shard(
-        self, model: FSDP, is_src: bool
+        self, model: FSDP, is_src: bool, with_grads: bool = False
     ) -> None:
         """
         With ``writeback=True, rank0_only=True``, only the source materializes the
-        unsharded flat parameters:
-        on entry the other ranks send it their shards instead of all-gathering, and upon
-        exit they receive
-        their shard in place, so none of their allocations exceeds a shard. ``model`` is
-        sharded (no forward
-        ran) and has one FSDP unit whose unsharded flat parameter dwarfs the rest.
+        unsharded flat parameters: on entry the other ranks send it their shards instead
+        of all-gathering, and upon exit they receive their shard in place, so none of
+        their allocations exceeds a shard. ``model`` is sharded (no forward ran) and has
+        one FSDP unit whose unsharded flat parameter dwarfs the rest. With
+        ``with_grads``, the gradients too, after a backward.
         """
+        if with_grads:
+            model(torch.randn(2, 256, device=self.device)).sum().backward()
         # Lazy initialization allocates and frees on its own: keep it out of the
         # measurement
         with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
@@ -246,11 +246,15 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         with profile(activities=activities, profile_memory=True) as prof:
-            with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+            with FSDP.summon_full_params(
+                model, writeback=True, rank0_only=True, with_grads=with_grads
+            ):
                 if is_src:
                     with torch.no_grad():
                         for param in model.parameters():
                             param.mul_(2.0)
+                            if with_grads:
+                                param.grad.mul_(2.0)
         largest = _largest_allocation_bytes(prof, self.device)
         handles = [m._handle for m in FSDP.fsdp_modules(model)]
         itemsize = handles[0].flat_param.element_size()
@@ -307,8 +311,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         )
         inp = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
         # A forward without backward leaves the root's unsharded parameter allocated, to
-        # be reused by the
-        # next forward: it must not go stale on the ranks that did not make the change.
+        # be reused by the next forward: it must not go stale on the ranks that did not
+        # make the change.
         with torch.no_grad():
             model(inp.to(self.device))
         self._check_rank0_writeback(model, offload_to_cpu, is_src=self.rank == 0)
@@ -334,8 +338,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
 
     def test_rank0_writeback_other_ranks_allocate_at_most_a_shard(self):
         """
-        Rank 1 never materializes an unsharded flat parameter: none of its allocations
-        exceeds one shard.
+        Rank 1 never materializes an unsharded flat parameter or gradient: none of its
+        allocations exceeds one shard.
         """
         self.run_subtests(
             {
@@ -344,12 +348,13 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
                     ShardingStrategy.SHARD_GRAD_OP,
                 ],
                 "use_orig_params": [False, True],
+                "with_grads": [False, True],
             },
             self._test_rank0_writeback_other_ranks_allocate_at_most_a_shard,
         )
 
     def _test_rank0_writeback_other_ranks_allocate_at_most_a_shard(
-        self, sharding_strategy, use_orig_params
+        self, sharding_strategy, use_orig_params, with_grads
     ):
         torch.manual_seed(0)
         model = _wrap(
@@ -359,7 +364,9 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
             sharding_strategy=sharding_strategy,
             use_orig_params=use_orig_params,
         )
-        self._check_other_ranks_allocate_at_most_a_shard(model, is_src=self.rank == 0)
+        self._check_other_ranks_allocate_at_most_a_shard(
+            model, is_src=self.rank == 0, with_grads=with_grads
+        )
 
     def test_rank0_writeback_body_raises(self):
         """
@@ -412,8 +419,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_single_state(self):
         """
         ``_unshard_fsdp_state_params()``, which the state-dict paths share, writes back
-        rank 0's change to one
-        FSDP state when called on its own, without ``summon_full_params()``.
+        rank 0's change to one FSDP state when called on its own, without
+        ``summon_full_params()``.
         """
         self.run_subtests(
             {
@@ -463,9 +470,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_scatters_run_concurrently(self):
         """
         Every unit's scatter is started before any is waited for, and rank 0 frees an
-        unsharded flat parameter
-        only after all of them were waited for: never while a collective may still read
-        it.
+        unsharded flat parameter only after all of them were waited for: never while a
+        collective may still read it.
         """
         events = []
 
@@ -520,9 +526,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_cleanup_error_spares_other_units(self):
         """
         If freeing one unit's unsharded parameter raises on rank 0 after the writeback,
-        the error reaches the
-        caller, the other unit is still resharded and idle, and every rank has rank 0's
-        change.
+        the error reaches the caller, the other unit is still resharded and idle, and
+        every rank has rank 0's change.
         """
         model = _wrap(
             _make_reference(), process_group=self.process_group, device_id=self.device
@@ -587,11 +592,9 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_failed_collective_frees_nothing(self):
         """
         If waiting for a writeback collective fails, the error reaches every rank and
-        rank 0 frees nothing:
-        with NCCL, the collective may still be reading the unsharded parameter. The
-        other units' collectives
-        are waited for first, so that no rank frees or reuses a buffer that one of them
-        still sends from.
+        rank 0 frees nothing: with NCCL, the collective may still be reading the
+        unsharded parameter. The other units' collectives are waited for first, so that
+        no rank frees or reuses a buffer that one of them still sends from.
         """
         model = _wrap(
             _make_reference(), process_group=self.process_group, device_id=self.device
@@ -651,8 +654,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_with_grads(self):
         """
         Rank 0's edits to the full gradients reach every rank too, bitwise, and an
-        optimizer step and a training
-        step after the call match a reference that applied the same edits.
+        optimizer step and a training step after the call match a reference that applied
+        the same edits.
         """
         self.run_subtests(
             {
@@ -686,8 +689,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_with_grads_none(self):
         """
         A rank without a gradient receives rank 0's (rank 0 edits what the others have),
-        and without a gradient
-        on any rank, the parameters are written back and no rank gets one.
+        and without a gradient on any rank, the parameters are written back and no rank
+        gets one.
         """
         self.run_subtests(
             {
@@ -793,11 +796,9 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_no_shard_cpu_offload_on_accelerator_raises(self):
         """
         ``NO_SHARD`` with ``CPUOffload(offload_params=True)`` on an accelerator would
-        lose rank 0's change on rank
-        0 (resharding restores its CPU copy): every rank refuses it before any
-        collective. The offload and the
-        accelerator are faked on the handle, which the check reads; nothing runs with
-        them.
+        lose rank 0's change on rank 0 (resharding restores its CPU copy): every rank
+        refuses it before any collective. The offload and the accelerator are faked on
+        the handle, which the check reads; nothing runs with them.
         """
         model = FSDP(
             _make_reference(),
