@@ -3,9 +3,19 @@
 Side by side in one run, on the same FSDP model (FULL_SHARD, one FSDP unit per layer, >= 50M parameters):
 
 (a) ours: ``summon_full_params(writeback=True, rank0_only=True)`` with the overlay active; rank 0 edits.
-(b) today's workaround on stock torch: ``summon_full_params(writeback=True)`` on every rank, rank 0 edits,
-    then every full parameter is broadcast from rank 0 by hand before the context writes back the shards.
-(c) the floor: one bare ``dist.scatter`` of the same bytes (every rank's padded shards) from rank 0.
+(b) a hand-written workaround on stock torch: ``summon_full_params(writeback=True)`` on every rank, rank 0
+    edits, then every full parameter is broadcast from rank 0 by hand before the context writes back the shards.
+(c) the floor: one bare ``dist.gather`` to rank 0, then one ``dist.scatter`` from it, of the same bytes
+    (every rank's padded shards); the scatter is the floor of the writeback.
+(d) what a user picks today without the overlay: ``torch.distributed.checkpoint.state_dict``'s
+    ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (rank 0 gets the full state dict), rank 0
+    edits it, then ``set_model_state_dict(..., broadcast_from_rank0=True)``. It runs FSDP's stock code paths
+    (with the overlay active: on torch 2.13.0, stock fails to offload on a CPU compute device).
+
+And for gradients, after a backward, rank 0 edits the full parameters and gradients:
+
+(e) ours: ``summon_full_params(with_grads=True, writeback=True, rank0_only=True)``.
+(f) its floor: as (c), of params plus grads (twice the bytes).
 
 Peak extra memory is measured per rank as the peak resident set size (``VmHWM`` in ``/proc/self/status``,
 after resetting it by writing ``5`` to ``/proc/self/clear_refs``) minus the resident set size just before.
@@ -17,7 +27,8 @@ Times are the slowest rank's, median of ``--repeats``; (a) and (c) alternate wit
 is also given per repeat (median and range). "writeback" is the same interval for all three: from a
 barrier that every rank passes once the body is done (rank 0 finished its edit) to a barrier after the context
 exits; for (c), from a barrier to a barrier after the scatter. "total" starts at a barrier before entering the
-context, so it includes unsharding on entry and rank 0's edit.
+context, so it includes unsharding on entry and rank 0's edit. "gather + writeback" leaves the edit out: from
+that barrier to a barrier at the start of the body, plus the writeback.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ class Measurement:
     total_s: float
     writeback_s: float
     peak_extra_bytes: int
+    entry_s: float
 
 
 def _status_kib(field: str) -> int:
@@ -66,8 +78,21 @@ def _reset_peak_rss() -> None:
         clear_refs.write("5")
 
 
+_body_start = 0.0
+
+
+def _body_started() -> None:
+    """Marks, after a barrier, that every rank finished unsharding on entry (the body starts)."""
+    global _body_start
+    dist.barrier()
+    _body_start = time.perf_counter()
+
+
 def _measure(run: Callable[[], float]) -> Measurement:
-    """Run ``run`` between barriers; ``run`` returns when its writeback started. Seconds and peak memory."""
+    """
+    Run ``run`` between barriers; ``run`` calls :func:`_body_started` once unsharded, and returns when its
+    writeback started. Seconds and peak memory.
+    """
     dist.barrier()
     _reset_peak_rss()
     rss_before = _status_kib("VmRSS")
@@ -76,7 +101,7 @@ def _measure(run: Callable[[], float]) -> Measurement:
     dist.barrier()
     end = time.perf_counter()
     peak_extra = (_status_kib("VmHWM") - rss_before) * 1024
-    return Measurement(end - start, end - writeback_start, peak_extra)
+    return Measurement(end - start, end - writeback_start, peak_extra, _body_start - start)
 
 
 def _build_model(layers: int, width: int) -> nn.Module:
@@ -99,6 +124,7 @@ def _ours(model: nn.Module, rank: int) -> float:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+        _body_started()
         if rank == 0:
             _edit(model)
         dist.barrier()
@@ -106,10 +132,45 @@ def _ours(model: nn.Module, rank: int) -> float:
     return writeback_start
 
 
+def _ours_with_grads(model: nn.Module, rank: int) -> float:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=True, rank0_only=True, with_grads=True):
+        _body_started()
+        if rank == 0:
+            _edit(model)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.grad.mul_(0.5)
+        dist.barrier()
+        writeback_start = time.perf_counter()
+    return writeback_start
+
+
+def _dcp(model: nn.Module, rank: int) -> float:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    _body_started()
+    if rank == 0:
+        with torch.no_grad():
+            for value in state_dict.values():
+                value.mul_(0.5)
+    dist.barrier()
+    writeback_start = time.perf_counter()
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return writeback_start
+
+
 def _workaround(model: nn.Module, rank: int) -> float:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     with FSDP.summon_full_params(model, writeback=True):
+        _body_started()
         if rank == 0:
             _edit(model)
         dist.barrier()
@@ -119,28 +180,40 @@ def _workaround(model: nn.Module, rank: int) -> float:
     return writeback_start
 
 
-def _floor(shard_numel: int, rank: int) -> Callable[[], float]:
-    """One scatter of every rank's shard. Both buffers exist beforehand, as rank 0's unsharded parameters and
-    every rank's local shard do in (a): the floor moves the bytes and nothing else."""
-    send = torch.zeros(shard_numel * WORLD_SIZE) if rank == 0 else None
-    recv = torch.zeros(shard_numel)
+def _floor(shard_numel: int, rank: int, gather: bool = False) -> Callable[[], float]:
+    """One scatter of every rank's shard (after one gather of them, with ``gather``). Both buffers exist
+    beforehand, as rank 0's unsharded parameters and every rank's local shard do in (a): the floor moves the
+    bytes and nothing else."""
+    full = torch.zeros(shard_numel * WORLD_SIZE) if rank == 0 else None
+    shard = torch.zeros(shard_numel)
 
     def run() -> float:
+        if gather:
+            dist.gather(shard, list(full.chunk(WORLD_SIZE)) if full is not None else None, dst=0)
+        _body_started()
         dist.barrier()
         writeback_start = time.perf_counter()
-        dist.scatter(recv, list(send.chunk(WORLD_SIZE)) if send is not None else None, src=0)
+        dist.scatter(shard, list(full.chunk(WORLD_SIZE)) if full is not None else None, src=0)
         return writeback_start
 
     return run
 
 
-def _check_edit_everywhere(model: nn.Module, reference: list[torch.Tensor]) -> None:
+def _check_edit_everywhere(
+    model: nn.Module, reference: list[torch.Tensor], grads: list[torch.Tensor] | None = None
+) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    with FSDP.summon_full_params(model, writeback=False):
-        for param, expected in zip(model.parameters(), reference, strict=True):
+    with FSDP.summon_full_params(model, writeback=False, with_grads=grads is not None):
+        for i, (param, expected) in enumerate(zip(model.parameters(), reference, strict=True)):
             if not torch.equal(param, expected):
                 raise AssertionError(f"rank {dist.get_rank()}: rank 0's edit was not written back")
+            if grads is not None and not torch.equal(param.grad, grads[i]):
+                raise AssertionError(f"rank {dist.get_rank()}: rank 0's gradient edit was not written back")
+
+
+def _backward(model: nn.Module, width: int) -> None:
+    model(torch.ones(2, width)).sum().backward()
 
 
 def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, queue) -> None:
@@ -151,7 +224,7 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, qu
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    results: dict[str, list[Measurement]] = {"a": [], "b": [], "c": []}
+    results: dict[str, list[Measurement]] = {key: [] for key in "abcdef"}
     # (b) on stock torch, as users run it today
     torch_overlay.deactivate()
     model = _build_model(layers, width)
@@ -161,16 +234,37 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, qu
     for _ in range(repeats):
         results["b"].append(_measure(lambda: _workaround(model, rank)))
     del model
+    torch_overlay.activate()
+    # (d) DCP runs FSDP's stock paths (`writeback=False, rank0_only=True, offload_to_cpu=True` to get the state
+    # dict, a full-state-dict load to set it), which the overlay leaves as they are on every base but one: torch
+    # 2.13.0 needs the overlay's backport there to offload to CPU on a CPU compute device at all
+    model = _build_model(layers, width)
+    for i in range(repeats):
+        results["d"].append(_measure(lambda: _dcp(model, rank)))
+        if i == 0:
+            _check_edit_everywhere(model, expected)
+    del model
     # (a) ours, activated before the model is built, and (c) the floor, alternating in each repeat (which goes
     # first alternates too), so that a change in the machine's load hits both alike
-    torch_overlay.activate()
     model = _build_model(layers, width)
-    floor = _floor(shard_numel, rank)
+    floor = _floor(shard_numel, rank, gather=True)
     for i in range(repeats):
         for key in ("a", "c") if i % 2 == 0 else ("c", "a"):
             results[key].append(_measure((lambda: _ours(model, rank)) if key == "a" else floor))
         if i == 0:
             _check_edit_everywhere(model, expected)
+    del model, floor
+    # (e) ours with gradients and (f) its floor, alternating likewise
+    model = _build_model(layers, width)
+    _backward(model, width)
+    with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+        expected_grads = [p.grad.clone() * 0.5 for p in model.parameters()]
+    floor = _floor(2 * shard_numel, rank, gather=True)
+    for i in range(repeats):
+        for key in ("e", "f") if i % 2 == 0 else ("f", "e"):
+            results[key].append(_measure((lambda: _ours_with_grads(model, rank)) if key == "e" else floor))
+        if i == 0:
+            _check_edit_everywhere(model, expected, expected_grads)
     queue.put((rank, shard_numel, results))
     dist.destroy_process_group()
 
@@ -195,31 +289,50 @@ def main(argv: list[str] | None = None) -> int:
     def slowest_s(key: str, field: str) -> list[float]:
         return slowest([getattr(m, field) for m in results[key]] for results in by_rank.values())
 
-    def row(key: str) -> tuple[float, float, int]:
+    def moved_s(key: str) -> list[float]:
+        """Per repeat, the slowest rank's gather on entry plus writeback (the edit left out)."""
+        return slowest([m.entry_s + m.writeback_s for m in results[key]] for results in by_rank.values())
+
+    def row(key: str) -> tuple[float, float, float, int]:
         # Per repeat, the slowest rank; then the median over repeats
         peak = max(m.peak_extra_bytes for r in by_rank if r != 0 for m in by_rank[r][key])
-        return statistics.median(slowest_s(key, "total_s")), statistics.median(slowest_s(key, "writeback_s")), peak
+        return (
+            statistics.median(slowest_s(key, "total_s")),
+            statistics.median(moved_s(key)),
+            statistics.median(slowest_s(key, "writeback_s")),
+            peak,
+        )
 
-    rows = {key: row(key) for key in "abc"}
-    floor_s = rows["c"][1]
-    # (a) and (c) ran in the same repeats: the ratio within each repeat, less exposed to load than two medians
-    paired = sorted(a / c for a, c in zip(slowest_s("a", "writeback_s"), slowest_s("c", "writeback_s"), strict=True))
+    def paired(key: str, floor_key: str, per_repeat: Callable[[str], list[float]]) -> str:
+        # Ran in the same repeats: the ratio within each repeat, less exposed to load than two medians
+        ratios = sorted(a / c for a, c in zip(per_repeat(key), per_repeat(floor_key), strict=True))
+        return (
+            f"({key}) / ({floor_key}), paired per repeat: median {statistics.median(ratios):.2f} "
+            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}, {args.repeats} repeats)"
+        )
+
+    rows = {key: row(key) for key in "abcdef"}
     names = {
         "a": "(a) rank-0 writeback (overlay)",
-        "b": "(b) workaround: all ranks + broadcast (stock)",
-        "c": "(c) floor: one dist.scatter",
+        "b": "(b) all ranks + broadcast by hand (stock)",
+        "c": "(c) floor of (a)-(d): gather + scatter",
+        "d": "(d) DCP get/set_model_state_dict (stock paths)",
+        "e": "(e) rank-0 writeback + grads (overlay)",
+        "f": "(f) floor of (e): gather + scatter, 2x",
     }
     print(f"one shard = {shard_bytes / MIB:.1f} MiB; peak extra = max over ranks 1-3 of VmHWM - VmRSS before")
-    print(f"{'method':<48}{'total s':>9}{'writeback s':>13}{'x floor':>9}{'peak extra MiB':>16}{'shards':>8}")
-    for key, (total, writeback, peak) in rows.items():
+    print("x floor: over (c) for (a)-(d), over (f) for (e)-(f)")
+    header = f"{'method':<50}{'total s':>9}{'gather+wb s':>13}{'x floor':>9}{'writeback s':>13}{'x floor':>9}"
+    print(f"{header}{'peak extra MiB':>16}{'shards':>8}")
+    for key, (total, moved, writeback, peak) in rows.items():
+        floor_row = rows["c" if key in "abcd" else "f"]
         print(
-            f"{names[key]:<48}{total:>9.3f}{writeback:>13.3f}{writeback / floor_s:>9.2f}"
-            f"{peak / MIB:>16.1f}{peak / shard_bytes:>8.2f}"
+            f"{names[key]:<50}{total:>9.3f}{moved:>13.3f}{moved / floor_row[1]:>9.2f}{writeback:>13.3f}"
+            f"{writeback / floor_row[2]:>9.2f}{peak / MIB:>16.1f}{peak / shard_bytes:>8.2f}"
         )
-    print(
-        f"(a) / (c) writeback, paired per repeat: median {statistics.median(paired):.2f} "
-        f"(range {paired[0]:.2f}-{paired[-1]:.2f}, {args.repeats} repeats)"
-    )
+    print(f"writeback {paired('a', 'c', lambda key: slowest_s(key, 'writeback_s'))}")
+    print(f"writeback {paired('e', 'f', lambda key: slowest_s(key, 'writeback_s'))}")
+    print(f"gather + writeback {paired('e', 'f', moved_s)}")
     return 0
 
 

@@ -20,9 +20,12 @@ BOOT_DIR = Path(__file__).resolve().parent / "boot"
 
 
 def clean_env(**overrides: str) -> dict[str, str]:
-    """The current environment minus the test suite's overlay switches (boot directory, TORCH_OVERLAY)."""
+    """The current environment minus the test suite's overlay switches (boot directory and checkout on
+    PYTHONPATH, TORCH_OVERLAY)."""
     env = {k: v for k, v in os.environ.items() if k != "TORCH_OVERLAY"}
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != BOOT_DIR]
+    paths = [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() not in (BOOT_DIR, REPO_ROOT)
+    ]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(overrides)
     return env

@@ -7,11 +7,10 @@ from torch.testing._internal.common_fsdp import FSDPTestContinuous
 
 class FSDPTestContinuousCPU(FSDPTestContinuous):
     """
-    ``FSDPTestContinuous`` that also runs on CPU with gloo: it skips when there
-    are fewer accelerators than ranks, and these tests need none. With fewer
-    accelerators than ranks (none, or one GPU for two ranks), the ranks use
-    the CPU and gloo, not the accelerator's backend (NCCL cannot put two ranks
-    on one GPU, nor take CPU tensors).
+    ``FSDPTestContinuous`` that also runs on CPU with gloo: it skips when there are
+    fewer accelerators than ranks, and these tests need none. With fewer accelerators
+    than ranks (none, or one GPU for two ranks), the ranks use the CPU and gloo, not the
+    accelerator's backend (NCCL cannot put two ranks on one GPU, nor take CPU tensors).
     """
 
     @classmethod

@@ -16,7 +16,10 @@ if not dist.is_available():
     sys.exit(0)
 
 if TEST_WITH_DEV_DBG_ASAN:
-    print("Skip dev-asan as torch + multiprocessing spawn have known issues", file=sys.stderr)
+    print(
+        "Skip dev-asan as torch + multiprocessing spawn have known issues",
+        file=sys.stderr,
+    )
     sys.exit(0)
 
 
@@ -26,15 +29,26 @@ class TestUnshardCPUOffload(FSDPTestContinuousCPU):
     world_size = 2
 
     def test_offload_to_cpu_on_cpu_compute_device(self):
-        """``offload_to_cpu=True`` keeps the full parameters when they already live in CPU memory."""
+        """
+        ``offload_to_cpu=True`` keeps the full parameters when they already live in CPU
+        memory.
+        """
         torch.manual_seed(0)
         reference = nn.Linear(4, 6)
-        model = FSDP(copy.deepcopy(reference), process_group=self.process_group, device_id=self.device)
+        model = FSDP(
+            copy.deepcopy(reference),
+            process_group=self.process_group,
+            device_id=self.device,
+        )
         for rank0_only in (False, True):
-            with FSDP.summon_full_params(model, offload_to_cpu=True, rank0_only=rank0_only, writeback=False):
+            with FSDP.summon_full_params(
+                model, offload_to_cpu=True, rank0_only=rank0_only, writeback=False
+            ):
                 if self.rank == 0 or not rank0_only:
                     self.assertEqual(model.weight.device, torch.device("cpu"))
-                    self.assertEqual(model.weight, reference.weight.to(model.weight.device))
+                    self.assertEqual(
+                        model.weight, reference.weight.to(model.weight.device)
+                    )
                     self.assertEqual(model.bias, reference.bias.to(model.bias.device))
         loss = model(torch.ones(2, 4, device=self.device)).sum()
         loss.backward()

@@ -17,10 +17,17 @@ if not dist.is_available():
     sys.exit(0)
 
 if TEST_WITH_DEV_DBG_ASAN:
-    print("Skip dev-asan as torch + multiprocessing spawn have known issues", file=sys.stderr)
+    print(
+        "Skip dev-asan as torch + multiprocessing spawn have known issues",
+        file=sys.stderr,
+    )
     sys.exit(0)
 
-STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+STRATEGIES = [
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD,
+]
 
 
 class _BodyError(Exception):
@@ -34,12 +41,22 @@ def _make_reference() -> nn.Module:
 
 
 class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
-    """``offload_to_cpu`` with ``NO_SHARD``, and ``with_grads`` with ``offload_to_cpu`` or flat parameters."""
+    """
+    ``offload_to_cpu`` with ``NO_SHARD``, and ``with_grads`` with ``offload_to_cpu`` or
+    flat parameters.
+    """
 
     world_size = 2
 
-    def _wrap(self, reference: nn.Module, sharding_strategy: ShardingStrategy, use_orig_params: bool) -> FSDP:
-        """Nested FSDP: an inner unit for the first linear layer, the root for the rest."""
+    def _wrap(
+        self,
+        reference: nn.Module,
+        sharding_strategy: ShardingStrategy,
+        use_orig_params: bool,
+    ) -> FSDP:
+        """
+        Nested FSDP: an inner unit for the first linear layer, the root for the rest.
+        """
         kwargs = {
             "process_group": self.process_group,
             "device_id": self.device,
@@ -57,15 +74,22 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
     def _assert_idle(self, model: FSDP) -> None:
         for fsdp_module in FSDP.fsdp_modules(model):
             self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
-            self.assertEqual(fsdp_module._handle._training_state, HandleTrainingState.IDLE)
+            self.assertEqual(
+                fsdp_module._handle._training_state, HandleTrainingState.IDLE
+            )
 
     def _assert_params_equal(self, model: FSDP, reference: nn.Module) -> None:
         with FSDP.summon_full_params(model, writeback=False):
-            for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
+            for param, ref_param in zip(
+                model.parameters(), reference.parameters(), strict=True
+            ):
                 self.assertEqual(param.cpu(), ref_param)
 
     def _train_step_and_compare(self, model: FSDP, reference: nn.Module) -> None:
-        """One SGD step on both models from their current gradients, then compare the next loss."""
+        """
+        One SGD step on both models from their current gradients, then compare the next
+        loss.
+        """
         for module in (model, reference):
             with torch.no_grad():
                 for param in module.parameters():
@@ -79,7 +103,10 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         ref_loss.backward()
 
     def test_offload_to_cpu_no_shard(self):
-        """``offload_to_cpu=True`` with ``NO_SHARD``: full CPU parameters inside, changes kept with writeback."""
+        """
+        ``offload_to_cpu=True`` with ``NO_SHARD``: full CPU parameters inside, changes
+        kept with writeback.
+        """
         self.run_subtests(
             {
                 "use_orig_params": [False, True],
@@ -92,9 +119,13 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
     def _test_offload_to_cpu_no_shard(self, use_orig_params, writeback, rank0_only):
         reference = _make_reference()
         model = self._wrap(reference, ShardingStrategy.NO_SHARD, use_orig_params)
-        with FSDP.summon_full_params(model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=True):
+        with FSDP.summon_full_params(
+            model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=True
+        ):
             if self.rank == 0 or not rank0_only:
-                for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
+                for param, ref_param in zip(
+                    model.parameters(), reference.parameters(), strict=True
+                ):
                     self.assertEqual(param.device, torch.device("cpu"))
                     self.assertEqual(param, ref_param)
                 if writeback:
@@ -112,25 +143,35 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         self._train_step_and_compare(model, reference)
 
     def test_with_grads_offload_or_flat_params(self):
-        """``with_grads=True`` with ``offload_to_cpu=True`` or ``use_orig_params=False`` gives the full gradients."""
+        """
+        ``with_grads=True`` with ``offload_to_cpu=True`` or ``use_orig_params=False``
+        gives the full gradients.
+        """
         self.run_subtests(
             {
                 "sharding_strategy": STRATEGIES,
-                # (use_orig_params, offload_to_cpu): the combinations that stock torch rejects
+                # (use_orig_params, offload_to_cpu): the combinations that stock torch
+                # rejects
                 "options": [(False, False), (False, True), (True, True)],
                 "writeback": [False, True],
             },
             self._test_with_grads_offload_or_flat_params,
         )
 
-    def _test_with_grads_offload_or_flat_params(self, sharding_strategy, options, writeback):
+    def _test_with_grads_offload_or_flat_params(
+        self, sharding_strategy, options, writeback
+    ):
         use_orig_params, offload_to_cpu = options
         reference = _make_reference()
         model = self._wrap(reference, sharding_strategy, use_orig_params)
         model(self._input().to(self.device)).sum().backward()
         reference(self._input()).sum().backward()
-        with FSDP.summon_full_params(model, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True):
-            for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
+        with FSDP.summon_full_params(
+            model, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
+        ):
+            for param, ref_param in zip(
+                model.parameters(), reference.parameters(), strict=True
+            ):
                 self.assertEqual(param.shape, ref_param.shape)
                 self.assertIsNotNone(param.grad)
                 if offload_to_cpu:
@@ -144,13 +185,46 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
             for ref_param in reference.parameters():
                 ref_param.grad *= 2
         with FSDP.summon_full_params(model, writeback=False, with_grads=True):
-            for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
+            for param, ref_param in zip(
+                model.parameters(), reference.parameters(), strict=True
+            ):
                 self.assertEqual(param.cpu(), ref_param)
                 self.assertEqual(param.grad.cpu(), ref_param.grad)
         self._train_step_and_compare(model, reference)
 
+    def test_with_grads_flat_params_after_optimizer_step(self):
+        """
+        ``with_grads=True`` with ``use_orig_params=False`` after the flat parameter
+        changed in place (an optimizer step): the full gradients are still exposed.
+        """
+        self.run_subtests(
+            {"sharding_strategy": STRATEGIES, "offload_to_cpu": [False, True]},
+            self._test_with_grads_flat_params_after_optimizer_step,
+        )
+
+    def _test_with_grads_flat_params_after_optimizer_step(
+        self, sharding_strategy, offload_to_cpu
+    ):
+        reference = _make_reference()
+        model = self._wrap(reference, sharding_strategy, use_orig_params=False)
+        for module in (model, reference):
+            module(self._input().to(self.device)).sum().backward()
+            torch.optim.SGD(module.parameters(), lr=0.1).step()
+        with FSDP.summon_full_params(
+            model, writeback=False, offload_to_cpu=offload_to_cpu, with_grads=True
+        ):
+            for param, ref_param in zip(
+                model.parameters(), reference.parameters(), strict=True
+            ):
+                self.assertEqual(param.cpu(), ref_param)
+                self.assertEqual(param.grad.cpu(), ref_param.grad)
+        self._assert_idle(model)
+
     def test_summon_sequence_between_steps(self):
-        """Any sequence of ``summon_full_params`` options between training steps leaves training unchanged."""
+        """
+        Any sequence of ``summon_full_params`` options between training steps leaves
+        training unchanged.
+        """
         self.run_subtests(
             {"sharding_strategy": STRATEGIES, "use_orig_params": [False, True]},
             self._test_summon_sequence_between_steps,
@@ -163,7 +237,12 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
             {"writeback": True, "offload_to_cpu": True, "with_grads": True},
             {"writeback": True, "rank0_only": True},
             {"writeback": False, "rank0_only": True, "offload_to_cpu": True},
-            {"writeback": True, "rank0_only": True, "offload_to_cpu": True, "recurse": False},
+            {
+                "writeback": True,
+                "rank0_only": True,
+                "offload_to_cpu": True,
+                "recurse": False,
+            },
             {"writeback": True},
             {"writeback": False, "with_grads": True},
             {"writeback": True, "offload_to_cpu": True},
@@ -179,7 +258,10 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         self._assert_params_equal(model, reference)
 
     def test_body_raises_leaves_model_usable(self):
-        """An exception inside the context leaves every rank idle, consistent and trainable."""
+        """
+        An exception inside the context leaves every rank idle, consistent and
+        trainable.
+        """
         self.run_subtests(
             {"sharding_strategy": STRATEGIES, "use_orig_params": [False, True]},
             self._test_body_raises_leaves_model_usable,

@@ -15,21 +15,35 @@ if not dist.is_available():
     sys.exit(0)
 
 if TEST_WITH_DEV_DBG_ASAN:
-    print("Skip dev-asan as torch + multiprocessing spawn have known issues", file=sys.stderr)
+    print(
+        "Skip dev-asan as torch + multiprocessing spawn have known issues",
+        file=sys.stderr,
+    )
     sys.exit(0)
 
 
 class TestUnshardOffloadWarning(FSDPTestContinuousCPU):
-    """The ``summon_full_params`` offload warning, on two ranks of any backend (gloo on CPU included)."""
+    """
+    The ``summon_full_params`` offload warning, on two ranks of any backend (gloo on CPU
+    included).
+    """
 
     world_size = 2
 
     def test_offload_to_cpu_warning_text(self):
-        """The warning for ``offload_to_cpu=True, rank0_only=False`` reads as a sentence."""
-        model = FSDP(nn.Linear(4, 4), process_group=self.process_group, device_id=self.device)
+        """
+        The warning for ``offload_to_cpu=True, rank0_only=False`` reads as a sentence.
+        """
+        model = FSDP(
+            nn.Linear(4, 4), process_group=self.process_group, device_id=self.device
+        )
         with self.assertWarns(UserWarning) as caught:
             _validate_unshard_params_args(
-                model, writeback=False, rank0_only=False, offload_to_cpu=True, with_grads=False
+                model,
+                writeback=False,
+                rank0_only=False,
+                offload_to_cpu=True,
+                with_grads=False,
             )
         self.assertIn("may result in the unsharded parameters", str(caught.warning))
 

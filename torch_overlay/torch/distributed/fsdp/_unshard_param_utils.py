@@ -1,8 +1,9 @@
 # mypy: allow-untyped-defs
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Generator
-from typing import cast
+from typing import cast, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch.distributed.fsdp._common_utils import (
     HandleTrainingState,
     TrainingState,
 )
+from torch.distributed.fsdp._init_utils import HYBRID_SHARDING_STRATEGIES
 from torch.distributed.fsdp._runtime_utils import (
     _lazy_init,
     _reset_flat_param_grad_info_if_needed,
@@ -26,7 +28,7 @@ from torch.distributed.fsdp._runtime_utils import (
 )
 from torch.distributed.utils import _p_assert
 
-from ._flat_param import FlatParamHandle, HandleShardingStrategy
+from ._flat_param import FlatParamHandle
 
 
 FLAT_PARAM = "_flat_param"
@@ -73,104 +75,226 @@ def _writeback_to_local_shard(
             existing_grad[: grad_shard.numel()].copy_(grad_shard)
 
 
-def _rank0_writeback_inter_node_pg(
-    state: _FSDPState, handle: FlatParamHandle
-) -> dist.ProcessGroup | None:
-    """
-    Returns the process group across replicas for hybrid sharding, over which
-    rank 0's replica sends the written-back shards to the other replicas, and
-    ``None`` for the other sharding strategies.
-    """
-    if handle._sharding_strategy in (
-        HandleShardingStrategy.HYBRID_SHARD,
-        HandleShardingStrategy._HYBRID_SHARD_ZERO2,
-    ):
-        return state._inter_node_pg
-    return None
+# NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``).
+#
+# Only the source holds full parameters (and gradients, with
+# ``with_grads=True``): global rank 0, that is rank 0 of the shard group and,
+# for hybrid sharding, of the replicate group. For each handle, every rank
+# runs the same collectives in the same order:
+#
+# 1. Entry. Sharded strategies gather the shards into the source's padded
+#    unsharded flat parameter (within the source's replica for hybrid
+#    sharding); the other ranks keep their shards and never allocate the
+#    unsharded one. With ``with_grads=True``, the ranks all-reduce whether any
+#    of them has a gradient; if one has, the gradient shards are gathered the
+#    same way (a rank without one sends zeros, as ``unshard_grad()`` does).
+#    ``NO_SHARD`` moves nothing: rank 0 edits its parameter in place and a
+#    copy of its gradient.
+# 2. Exit. The ranks all-reduce whether the body succeeded everywhere, once
+#    per ``summon_full_params()`` call and set of groups: a rank whose body
+#    raised reaches this point too, so no rank blocks in a collective that
+#    another skips. If the body failed anywhere, no data moves, except that
+#    ``NO_SHARD`` rank 1 broadcasts its parameter to undo rank 0's in-place
+#    changes. Otherwise the source scatters each rank its padded shard of the
+#    parameter, then of the gradient (``NO_SHARD`` broadcasts), and for
+#    hybrid sharding the source's replica broadcasts each shard to the other
+#    replicas. A rank receives into its own shard, in place; a rank without
+#    a gradient receives into a new one. A shard off the compute device
+#    (``CPUOffload``) receives into a staging shard, copied once received.
+# 3. Frees. The collectives of all handles run concurrently
+#    (``async_op=True``). Only once all of them finished does the source free
+#    its unsharded flat parameter and gradient (which it is sending) and
+#    every rank return to ``IDLE`` (``_Rank0DeferredFrees.wait()``); if one
+#    failed, nothing is freed, as a failed collective may still read its
+#    buffers. With ``offload_to_cpu=True`` on an accelerator, each handle
+#    copies its unsharded parameter back to the device upon exit, so it
+#    waits and frees it before the next handle exits: what the writeback
+#    needs on the device grows with the largest handle, not with the model.
+#    The unsharded parameter is freed
+#    even if it was allocated before the context (e.g. the root's after a
+#    forward), so that no rank keeps a copy that disagrees with its shard.
 
 
-def _is_rank0_writeback_src(state: _FSDPState, handle: FlatParamHandle) -> bool:
-    """
-    Returns whether this rank keeps the unsharded parameter for
-    ``writeback=True, rank0_only=True``: rank 0 of the process group, and for
-    hybrid sharding, of the replica at rank 0 of the inter-node process group
-    (global rank 0 for the default process groups). Other ranks' changes could
-    not be kept, so they do not see the unsharded parameter.
-    """
-    inter_node_pg = _rank0_writeback_inter_node_pg(state, handle)
-    return state.rank == 0 and (
-        inter_node_pg is None or dist.get_rank(inter_node_pg) == 0
+class _Rank0WritebackGroups(NamedTuple):
+    """The process groups of one FSDP state's writeback from rank 0."""
+
+    # Within a replica: the state's process group
+    shard: dist.ProcessGroup
+    # Across replicas for hybrid sharding, else `None`
+    replicate: dist.ProcessGroup | None
+    # Whether this rank is in the source's replica (rank 0 of `replicate`)
+    in_src_replica: bool
+    # Whether this rank is the source: rank 0 of the source's replica
+    is_src: bool
+
+    @property
+    def all(self) -> tuple[dist.ProcessGroup, ...]:
+        if self.replicate is None:
+            return (self.shard,)
+        return (self.shard, self.replicate)
+
+
+def _get_rank0_writeback_groups(state: _FSDPState) -> _Rank0WritebackGroups:
+    replicate = (
+        state._inter_node_pg
+        if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES
+        else None
+    )
+    in_src_replica = replicate is None or dist.get_rank(replicate) == 0
+    return _Rank0WritebackGroups(
+        shard=state.process_group,
+        replicate=replicate,
+        in_src_replica=in_src_replica,
+        is_src=in_src_replica and state.rank == 0,
     )
 
 
-class _Rank0WritebackCall:
-    """
-    What the FSDP states of one ``writeback=True, rank0_only=True``
-    ``summon_full_params()`` call share upon exit:
+def _all_ranks_agree(
+    groups: _Rank0WritebackGroups, value: bool, device: torch.device
+) -> bool:
+    """Returns whether ``value`` is ``True`` on every rank of ``groups``."""
+    result = torch.tensor([int(value)], dtype=torch.int32, device=device)
+    # After the first all-reduce, every rank of a replica holds the same
+    # value, so for hybrid sharding the second gives the minimum over all
+    # replicas.
+    for group in groups.all:
+        dist.all_reduce(result, op=dist.ReduceOp.MIN, group=group)
+    return bool(result.item())
 
-    - Whether the body succeeded on every rank, agreed on once per set of
-      process groups instead of once per state: the innermost state exits
-      first and sees whether the body raised, and the states exit in the same
-      order on every rank.
-    - The collectives that write back each state's parameters. They run
-      concurrently instead of one after the other, and what must wait for
-      them (e.g. freeing rank 0's unsharded parameter, which it is sending)
-      runs in :meth:`wait`, once all of them finished. A state may call
-      :meth:`wait` early to bound memory (see ``_unshard_fsdp_state_params()``).
+
+class _Rank0BodyAgreement:
+    """
+    Whether the body succeeded on every rank, agreed on once per
+    ``summon_full_params()`` call and set of groups instead of once per
+    state: the innermost state exits first and sees whether the body raised,
+    and the states exit in the same order on every rank.
     """
 
     def __init__(self) -> None:
         self._succeeded: dict[tuple[dist.ProcessGroup, ...], bool] = {}
-        self._works: list[dist.Work] = []
-        self._callbacks: list[Callable[[], None]] = []
 
     def agree(
         self,
-        process_groups: tuple[dist.ProcessGroup, ...],
+        groups: _Rank0WritebackGroups,
         body_succeeded: bool,
         device: torch.device,
     ) -> bool:
-        if process_groups not in self._succeeded:
-            succeeded = torch.tensor(
-                [int(body_succeeded)], dtype=torch.int32, device=device
+        if groups.all not in self._succeeded:
+            self._succeeded[groups.all] = _all_ranks_agree(
+                groups, body_succeeded, device
             )
-            # After the first all-reduce, every rank of a group holds the same
-            # value, so for hybrid sharding the second gives the minimum over
-            # all replicas.
-            for process_group in process_groups:
-                dist.all_reduce(succeeded, op=dist.ReduceOp.MIN, group=process_group)
-            self._succeeded[process_groups] = bool(succeeded.item())
-        return self._succeeded[process_groups]
+        return self._succeeded[groups.all]
 
-    def start(
-        self,
-        state: _FSDPState,
-        handle: FlatParamHandle,
-        body_succeeded: bool,
-        callback: Callable[[], None],
-    ) -> None:
-        """
-        Starts writing back the handle's parameters from rank 0 (see
-        ``_writeback_from_rank0()``), and runs ``callback`` in :meth:`wait`
-        once that finished.
-        """
-        work = _writeback_from_rank0(state, handle, body_succeeded, self)
-        if work is not None:
-            self._works.append(work)
-        self._callbacks.append(callback)
+
+class _Rank0WritebackWork:
+    """
+    The collectives in flight that write one tensor back from rank 0, and
+    what completes them once they finished: copying a staging shard to its
+    destination, setting a gradient that was ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.works: list[dist.Work] = []
+        self.on_done: list[Callable[[], None]] = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        for on_done in self.on_done:
+            on_done()
+
+
+def _staging_for(
+    handle: FlatParamHandle, local: torch.Tensor, result: _Rank0WritebackWork
+) -> torch.Tensor:
+    """
+    Returns the tensor to receive ``local`` in: itself on the compute device,
+    where collectives run, else a staging copy copied to it once received.
+    """
+    if local.device == handle.device:
+        return local
+    buffer = torch.empty_like(local, device=handle.device)
+    result.on_done.append(lambda: local.copy_(buffer))
+    return buffer
+
+
+@torch.no_grad()
+def _scatter_from_rank0(
+    groups: _Rank0WritebackGroups,
+    handle: FlatParamHandle,
+    padded_unsharded: torch.Tensor | None,
+    local_shard: torch.Tensor,
+) -> _Rank0WritebackWork:
+    """
+    Starts writing the source's padded unsharded flat tensor (``None`` on the
+    other ranks) to ``local_shard`` on every rank of a sharded strategy: a
+    scatter within the source's replica, then for hybrid sharding a
+    broadcast of each shard to the other replicas.
+    """
+    result = _Rank0WritebackWork()
+    buffer = _staging_for(handle, local_shard, result)
+    if groups.in_src_replica:
+        scatter_list = None
+        if padded_unsharded is not None:
+            scatter_list = list(padded_unsharded.chunk(handle.world_size))
+        work = dist.scatter(
+            buffer, scatter_list, group=groups.shard, group_src=0, async_op=True
+        )
+        if groups.replicate is None:
+            result.works.append(work)
+            return result
+        # The source's replica must hold the shards before sending them on
+        work.wait()
+    result.works.append(
+        dist.broadcast(buffer, group=groups.replicate, group_src=0, async_op=True)
+    )
+    return result
+
+
+@torch.no_grad()
+def _broadcast_no_shard(
+    groups: _Rank0WritebackGroups,
+    handle: FlatParamHandle,
+    tensor: torch.Tensor,
+    src: int,
+) -> _Rank0WritebackWork:
+    """Starts broadcasting ``NO_SHARD``'s ``tensor`` from rank ``src``."""
+    result = _Rank0WritebackWork()
+    buffer = _staging_for(handle, tensor, result)
+    if buffer is not tensor and handle.rank == src:
+        buffer.copy_(tensor)
+    result.works.append(
+        dist.broadcast(buffer, group=groups.shard, group_src=src, async_op=True)
+    )
+    return result
+
+
+class _Rank0DeferredFrees:
+    """
+    The writebacks in flight of one ``summon_full_params()`` call, and what
+    must wait for all of them: freeing the source's unsharded flat
+    parameters, which it is sending, and returning to ``IDLE``.
+    """
+
+    def __init__(self) -> None:
+        self._works: list[_Rank0WritebackWork] = []
+        self._frees: list[Callable[[], None]] = []
+
+    def add(self, works: list[_Rank0WritebackWork], free: Callable[[], None]) -> None:
+        self._works.extend(works)
+        self._frees.append(free)
 
     def wait(self) -> None:
         """
-        Waits for all collectives, then runs the callbacks in the order they
-        were added, each even if an earlier one raised, and raises the first
-        error. If a collective fails, the others are still waited for (their
-        buffers must not be freed while in flight), then its error propagates
-        and no callback runs: the failed collective's buffers may still be in
-        use (e.g. by an NCCL kernel), so they are not freed, as when a
+        Waits for all writebacks, then runs the frees in the order they were
+        added, each even if an earlier one raised, and raises the first
+        error. If a writeback fails, the others are still waited for, then
+        its error propagates and nothing is freed: the failed collective's
+        buffers may still be in use (e.g. by an NCCL kernel), as when a
         collective fails elsewhere in FSDP.
         """
         works, self._works = self._works, []
-        callbacks, self._callbacks = self._callbacks, []
+        frees, self._frees = self._frees, []
         error: Exception | None = None
         for work in works:
             try:
@@ -179,35 +303,51 @@ class _Rank0WritebackCall:
                 error = error or e
         if error is not None:
             raise error
-        for callback in callbacks:
+        for free in frees:
             try:
-                callback()
+                free()
             except Exception as e:
                 error = error or e
         if error is not None:
             raise error
 
 
+class _Rank0WritebackCall(NamedTuple):
+    """What the FSDP states of one ``summon_full_params()`` call share."""
+
+    agreement: _Rank0BodyAgreement
+    frees: _Rank0DeferredFrees
+
+    @staticmethod
+    def create() -> "_Rank0WritebackCall":
+        return _Rank0WritebackCall(_Rank0BodyAgreement(), _Rank0DeferredFrees())
+
+
+class _Rank0Grads(NamedTuple):
+    """The gradient of a handle written back from rank 0, on the source."""
+
+    # Sharded strategies: the padded unsharded gradient gathered on entry
+    padded: torch.Tensor | None
+    # `NO_SHARD`: the gradient from before the context (the source edits a
+    # copy, so that nothing is lost if the body raises)
+    saved: torch.Tensor | None
+
+
 @torch.no_grad()
 def _gather_to_rank0(
     state: _FSDPState,
+    groups: _Rank0WritebackGroups,
     handle: FlatParamHandle,
     stream: torch.Stream,
 ) -> None:
     """
-    The ``writeback=True, rank0_only=True`` counterpart of ``_unshard()`` for
-    sharded strategies: gathers the flattened parameter into the padded
-    unsharded flattened parameter of the writeback source only, instead of
-    all-gathering it, so that the other ranks never allocate it. For hybrid
-    sharding, only rank 0's replica gathers; the other replicas keep their
-    shards.
+    The rank-0 counterpart of ``_unshard()`` for sharded strategies: gathers
+    the flat parameter into the source's padded unsharded flat parameter
+    instead of all-gathering it.
 
-    Postcondition: If ``_is_rank0_writeback_src()``, the handle uses the
-    unsharded flattened parameter; otherwise, the handle's flattened
-    parameter is the sharded one on the compute device, to be resharded.
+    Postcondition: The source's handle uses the unsharded flat parameter,
+    the other ranks' their sharded one on the compute device.
     """
-    inter_node_pg = _rank0_writeback_inter_node_pg(state, handle)
-    is_src = _is_rank0_writeback_src(state, handle)
     with state._device_handle.stream(stream):
         handle.pre_unshard()
     # As in `_unshard()`, so that the free events that `_reshard()` records
@@ -220,118 +360,249 @@ def _gather_to_rank0(
             ):
                 event.synchronize()
     with state._device_handle.stream(stream):
-        if handle.needs_unshard() and (
-            inter_node_pg is None or dist.get_rank(inter_node_pg) == 0
-        ):
+        if handle.needs_unshard() and groups.in_src_replica:
             gather_list = None
-            if is_src:
-                gather_list = list(
-                    handle._alloc_padded_unsharded_flat_param().chunk(handle.world_size)
-                )
+            if groups.is_src:
+                padded = handle._alloc_padded_unsharded_flat_param()
+                gather_list = list(padded.chunk(handle.world_size))
             dist.gather(
-                handle.flat_param.data,
-                gather_list,
-                group=state.process_group,
-                group_dst=0,
+                handle.flat_param.data, gather_list, group=groups.shard, group_dst=0
             )
-        if is_src:
-            # The padded unsharded flattened parameter is complete, so this
-            # only switches to using it.
+        if groups.is_src:
+            # The padded unsharded flat parameter is complete, so this only
+            # switches to using it.
             handle.unshard()
         handle.post_unshard()
 
 
 @torch.no_grad()
-def _writeback_from_rank0(
-    state: _FSDPState,
-    handle: FlatParamHandle,
-    body_succeeded: bool,
-    rank0_writeback_call: _Rank0WritebackCall,
-) -> dist.Work | None:
+def _gather_grad_to_rank0(
+    groups: _Rank0WritebackGroups, handle: FlatParamHandle
+) -> _Rank0Grads:
     """
-    For ``writeback=True, rank0_only=True``, starts writing back rank 0's
-    unsharded flattened parameter to the local shard of every rank: rank 0
-    scatters the padded shards within its shard group (``NO_SHARD``
-    broadcasts), and for hybrid sharding, rank 0's replica then broadcasts
-    each shard to the other replicas over the inter-node process group. The
-    other ranks only receive their shard, never the unsharded parameter.
-    Returns the collective in flight, which must finish before rank 0 frees
-    its unsharded flattened parameter and before the local shard is used, or
-    ``None`` if nothing is in flight.
+    The rank-0 counterpart of ``unshard_grad()``: for sharded strategies,
+    gathers the gradient shards (zeros for a rank without one) into the
+    source's padded unsharded gradient. The source's flat parameter's
+    gradient is then the unsharded one (``NO_SHARD``: a copy), and its
+    sharded gradient is saved for ``reshard_grad()``.
 
-    Every rank must call this for the same handles in the same order. The
-    ranks first agree on whether the context body succeeded everywhere (via
-    ``rank0_writeback_call``, once per ``summon_full_params()`` call); if it
-    raised on any rank, nothing is written back on any rank, and the local
-    shards keep their values from before the context (for ``NO_SHARD``, rank
-    0's in-place changes are undone from rank 1's copy).
-
-    Precondition: If ``_is_rank0_writeback_src()``, the handle's padded
-    unsharded flattened parameter holds the values to write back.
+    Precondition: Some rank has a gradient.
     """
     flat_param = handle.flat_param
-    inter_node_pg = _rank0_writeback_inter_node_pg(state, handle)
-    # NOTE: A rank that raised inside the context reaches this point too, so
-    # the ranks agree before any collective that moves data to avoid a hang.
-    process_groups = (state.process_group,)
-    if inter_node_pg is not None:
-        process_groups += (inter_node_pg,)
-    succeeded = rank0_writeback_call.agree(
-        process_groups, body_succeeded, handle.device
-    )
+    grad = flat_param.grad
+    if not handle.uses_sharded_strategy:
+        if groups.is_src:
+            flat_param.grad = (
+                torch.zeros_like(flat_param) if grad is None else grad.clone()
+            )
+            _unshard_grads_for_summon(handle)
+        return _Rank0Grads(padded=None, saved=grad)
+    padded = None
+    if groups.in_src_replica:
+        send = grad
+        if send is None:
+            send = torch.zeros(
+                flat_param._sharded_size,  # type: ignore[attr-defined]
+                dtype=flat_param.dtype,
+                device=handle.device,
+            )
+        gather_list = None
+        if groups.is_src:
+            padded = torch.empty(
+                flat_param._padded_unsharded_size,  # type: ignore[attr-defined]
+                dtype=send.dtype,
+                device=handle.device,
+            )
+            gather_list = list(padded.chunk(handle.world_size))
+        dist.gather(
+            send.to(handle.device), gather_list, group=groups.shard, group_dst=0
+        )
+    if padded is not None:
+        flat_param._saved_grad_shard = grad  # type: ignore[attr-defined]
+        unsharded_size = flat_param._unpadded_unsharded_size  # type: ignore[attr-defined]
+        flat_param.grad = padded[: unsharded_size.numel()].view(unsharded_size)
+        if handle._use_orig_params:
+            handle._use_unsharded_grad_views()
+    return _Rank0Grads(padded=padded, saved=None)
+
+
+def _start_rank0_writeback(
+    groups: _Rank0WritebackGroups,
+    handle: FlatParamHandle,
+    succeeded: bool,
+    grads: _Rank0Grads | None,
+) -> list[_Rank0WritebackWork]:
+    """
+    Starts writing back the source's parameter, and gradient if ``grads``,
+    to every rank (see the NOTE on writeback from rank 0).
+    """
+    flat_param = handle.flat_param
     if not handle.uses_sharded_strategy:
         if handle.world_size == 1:
-            return None
-        # `NO_SHARD` changes rank 0's parameter in place: send it to the other
-        # ranks, or undo the changes from rank 1's copy if the body raised
-        src = 0 if succeeded else 1
-        local_shard = flat_param.data
-    elif succeeded:
-        src = 0
-        local_shard = flat_param._local_shard  # type: ignore[attr-defined]
-    else:
-        # Only rank 0's unsharded parameter changed, and it is freed
-        return None
-    # Collectives run on the compute device (the local shard may be offloaded)
-    buffer = (
-        local_shard
-        if local_shard.device == handle.device
-        else torch.empty_like(local_shard, device=handle.device)
-    )
-    work: dist.Work | None = None
-    if not handle.uses_sharded_strategy:
-        if buffer is not local_shard and state.rank == src:
-            buffer.copy_(local_shard)
-        work = dist.broadcast(
-            buffer, group=state.process_group, group_src=src, async_op=True
-        )
-    else:
-        if inter_node_pg is None or dist.get_rank(inter_node_pg) == 0:
-            scatter_list = None
-            if state.rank == 0:
-                scatter_list = list(
-                    handle._get_padded_unsharded_flat_param().chunk(handle.world_size)
+            return []
+        works = [
+            _broadcast_no_shard(groups, handle, flat_param.data, 0 if succeeded else 1)
+        ]
+        if grads is not None and succeeded:
+            works.append(
+                _broadcast_no_shard(
+                    groups, handle, _grad_to_receive(handle, grads, works), 0
                 )
-            work = dist.scatter(
-                buffer,
-                scatter_list,
-                group=state.process_group,
-                group_src=0,
-                async_op=True,
             )
-        if inter_node_pg is not None:
-            if work is not None:
-                work.wait()
-            work = dist.broadcast(
-                buffer, group=inter_node_pg, group_src=0, async_op=True
-            )
-    if buffer is not local_shard:
-        # Finish now, so that only one handle's shard at a time needs memory
-        # on the compute device
-        work.wait()  # type: ignore[union-attr]
-        local_shard.copy_(buffer)
-        return None
-    return work
+        return works
+    if not succeeded:
+        # Only the source's unsharded copies changed, and they are freed
+        return []
+    works = [
+        _scatter_from_rank0(
+            groups,
+            handle,
+            handle._get_padded_unsharded_flat_param() if groups.is_src else None,
+            flat_param._local_shard,  # type: ignore[attr-defined]
+        )
+    ]
+    if grads is not None:
+        grad = _grad_to_receive(handle, grads, works)
+        works.append(_scatter_from_rank0(groups, handle, grads.padded, grad))
+    return works
+
+
+def _grad_to_receive(
+    handle: FlatParamHandle,
+    grads: _Rank0Grads,
+    works: list[_Rank0WritebackWork],
+) -> torch.Tensor:
+    """
+    Returns the gradient that receives the source's: the sharded one (for
+    the source, the one saved on entry; ``NO_SHARD``: the edited copy), or if
+    there is none, a new one, set as the gradient once the last of ``works``
+    finished.
+    """
+    flat_param = handle.flat_param
+    if grads.padded is not None:
+        grad = flat_param._saved_grad_shard  # type: ignore[attr-defined]
+    else:
+        grad = flat_param.grad
+    if grad is not None:
+        return grad
+    grad = torch.zeros(
+        flat_param._sharded_size,  # type: ignore[attr-defined]
+        dtype=flat_param.dtype,
+        device=handle.device,
+    )
+    attr = "grad" if grads.padded is None else "_saved_grad_shard"
+    works[-1].on_done.append(lambda: setattr(flat_param, attr, grad))
+    return grad
+
+
+def _finish_rank0_writeback(
+    state: _FSDPState,
+    groups: _Rank0WritebackGroups,
+    handle: FlatParamHandle,
+    succeeded: bool,
+    grads: _Rank0Grads | None,
+) -> None:
+    """
+    Once every writeback of the call finished: the source frees its
+    unsharded flat parameter and gradient, and every rank is ``IDLE`` again.
+    """
+    flat_param = handle.flat_param
+    if groups.is_src:
+        if grads is not None and not handle.uses_sharded_strategy:
+            # Keep the gradient's identity: the written-back values go into
+            # the gradient from before the context, if there was one
+            if succeeded and grads.saved is not None:
+                grads.saved.copy_(flat_param.grad)  # type: ignore[arg-type]
+            if grads.saved is not None or not succeeded:
+                flat_param.grad = grads.saved
+        _reshard(state, handle, handle.uses_sharded_strategy)
+        if grads is not None and handle.uses_sharded_strategy:
+            _reshard_grads(handle)
+    handle._training_state = HandleTrainingState.IDLE
+    if grads is not None and handle._use_orig_params:
+        # Point the original parameters' gradients at the written-back one
+        handle._use_sharded_grad_views()
+
+
+@contextlib.contextmanager
+def _unflatten_on_rank0(
+    state: _FSDPState,
+    module: nn.Module,
+    handle: FlatParamHandle,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Generator:
+    """
+    On the source, shows the unsharded parameters (and gradients) as the
+    other ``summon_full_params()`` paths do; upon exit, their changes are in
+    the unsharded flat parameter (and gradient) on the compute device.
+    """
+    with contextlib.ExitStack() as stack:
+        if offload_to_cpu and not handle.flat_param.is_cpu:
+            if handle.uses_sharded_strategy:
+                stack.enter_context(handle.to_cpu())
+            else:
+                stack.enter_context(_no_shard_to_cpu(handle))
+        if not state._use_orig_params:
+            stack.enter_context(_unflatten_as_params(state, module))
+        if with_grads:
+            stack.enter_context(_unsharded_grad_views(handle, writeback=True))
+        yield
+
+
+@contextlib.contextmanager
+def _unshard_fsdp_state_params_from_rank0(
+    module: nn.Module,
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    offload_to_cpu: bool,
+    with_grads: bool,
+    call: _Rank0WritebackCall | None,
+) -> Generator:
+    """
+    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``
+    (see the NOTE on writeback from rank 0). Without a ``call`` shared with
+    other states, this state waits for its own writeback upon exit.
+    """
+    groups = _get_rank0_writeback_groups(state)
+    owns_call = call is None
+    if call is None:
+        call = _Rank0WritebackCall.create()
+    handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    _reset_flat_param_grad_info_if_needed(handle)
+    computation_stream = state._device_handle.current_stream()
+    if handle.uses_sharded_strategy:
+        _gather_to_rank0(state, groups, handle, computation_stream)
+    else:
+        _unshard(state, handle, computation_stream, computation_stream)
+    grads = None
+    if with_grads and not _all_ranks_agree(
+        groups, handle.flat_param.grad is None, handle.device
+    ):
+        grads = _gather_grad_to_rank0(groups, handle)
+
+    body_succeeded = False
+    try:
+        if groups.is_src:
+            with _unflatten_on_rank0(
+                state, module, handle, offload_to_cpu, grads is not None
+            ):
+                yield
+        else:
+            # Free early: this rank's changes are discarded
+            _reshard(state, handle, handle.uses_sharded_strategy)
+            yield
+        body_succeeded = True
+    finally:
+        succeeded = call.agreement.agree(groups, body_succeeded, handle.device)
+        call.frees.add(
+            _start_rank0_writeback(groups, handle, succeeded, grads),
+            functools.partial(
+                _finish_rank0_writeback, state, groups, handle, succeeded, grads
+            ),
+        )
+        if owns_call or (offload_to_cpu and handle.device.type != "cpu"):
+            call.frees.wait()
 
 
 def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
@@ -393,23 +664,23 @@ def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
     ``_unflatten_as_params()`` registers them, so ``_unsharded_grad_views()``
     sets their gradients then.
     """
-    flat_param = handle.flat_param
     if handle._use_orig_params:
         _unshard_grads(handle)
         return
     # NOTE: `unshard_grad()` ends by setting the gradients of the original
-    # parameters, which it clears via `_params` and `_shared_params` if all
-    # ranks have a `None` gradient; these lists are `None` without
-    # `use_orig_params` (a `TypeError`), and there is nothing to clear yet.
-    # Empty lists for the call are the least bad option here: the fix belongs
-    # in `FlatParamHandle._use_unsharded_grad_views()`, and working around it
-    # otherwise means duplicating `unshard_grad()`'s collectives or adding an
-    # all-reduce to learn whether any rank has a gradient.
-    flat_param._params, flat_param._shared_params = [], []
+    # parameters, which are not registered yet: without `use_orig_params`,
+    # they are plain views into the flat parameter, whose `grad` cannot be
+    # set once the flat parameter changed in place (e.g. an optimizer step;
+    # "a view and its base ... has been modified inplace"), and if all ranks
+    # have a `None` gradient it clears them via `_params`, which is `None`
+    # (a `TypeError`). Skipping that step for the call is the least bad
+    # option here: the fix belongs in `FlatParamHandle.unshard_grad()`, and
+    # working around it otherwise means duplicating its collectives.
+    handle._use_unsharded_grad_views = lambda: None  # type: ignore[method-assign]
     try:
         _unshard_grads(handle)
     finally:
-        flat_param._params, flat_param._shared_params = None, None
+        del handle._use_unsharded_grad_views
 
 
 @contextlib.contextmanager
@@ -474,20 +745,11 @@ def _validate_unshard_params_args(
     Validates the options of ``summon_full_params()``. All combinations of
     ``writeback``, ``rank0_only``, ``offload_to_cpu`` and ``with_grads`` are
     supported for every sharding strategy and for ``use_orig_params`` both
-    ``True`` and ``False``, except ``with_grads=True`` together with
-    ``writeback=True`` and ``rank0_only=True``. With ``NO_SHARD``, changes
-    persist regardless of ``writeback``, with ``offload_to_cpu=True`` too.
+    ``True`` and ``False``. With ``NO_SHARD``, changes persist regardless of
+    ``writeback``, with ``offload_to_cpu=True`` too.
     """
     if writeback and rank0_only:
-        # Rank 0 writes back the parameters only: scattering its unsharded
-        # gradient as well is not implemented.
-        if with_grads:
-            raise NotImplementedError(
-                "writeback=True and rank0_only=True do not support "
-                "with_grads=True: only rank 0's parameters are written back. "
-                "Pass rank0_only=False to modify the gradients, or "
-                "with_grads=False."
-            )
+        _validate_rank0_writeback(state)
     if offload_to_cpu and not rank0_only:
         warnings.warn(
             "offload_to_cpu=True and rank0_only=False may result in the "
@@ -495,6 +757,29 @@ def _validate_unshard_params_args(
             "GPUs sharing the same CPU memory, which risks CPU OOM. We "
             "recommend using offload_to_cpu=True with rank0_only=True.",
             stacklevel=2,
+        )
+
+
+def _validate_rank0_writeback(state: _FSDPState) -> None:
+    """
+    Raises for what ``writeback=True, rank0_only=True`` does not support,
+    before any collective, on every rank (the configuration is the same on
+    every rank).
+    """
+    handle = state._handle
+    if (
+        handle is not None
+        and not handle.uses_sharded_strategy
+        and handle._offload_params
+        and handle.device.type != "cpu"
+    ):
+        # Rank 0 edits the copy on the compute device, and resharding would
+        # restore its stale CPU copy
+        raise NotImplementedError(
+            "writeback=True and rank0_only=True do not support NO_SHARD with "
+            "CPUOffload(offload_params=True) on an accelerator: rank 0's "
+            "changes would not persist on rank 0. Use a sharded strategy, or "
+            "rank0_only=False."
         )
 
 
@@ -533,60 +818,33 @@ def _unshard_fsdp_state_params(
             f"Expects the handle training to be IDLE but got {handle._training_state}"
         )
 
+    if writeback and rank0_only:
+        with _unshard_fsdp_state_params_from_rank0(
+            module, state, handle, offload_to_cpu, with_grads, rank0_writeback_call
+        ):
+            yield
+        return
+
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-    # NOTE: With `rank0_only=True`, writing back means sending rank 0's
-    # unsharded parameter to the other ranks after the context; those ranks
-    # free theirs early. The unsharded parameter is then freed on every rank,
-    # even if it was allocated before the context (e.g. for the root after
-    # forward), so that no rank keeps an unsharded copy that disagrees with the
-    # written-back shards.
-    rank0_writeback = writeback and rank0_only
-    body_succeeded = False
-    # Without a call shared with other states, this state waits for its own
-    # writeback upon exit
-    owns_rank0_writeback_call = rank0_writeback and rank0_writeback_call is None
-    if owns_rank0_writeback_call:
-        rank0_writeback_call = _Rank0WritebackCall()
 
     _reset_flat_param_grad_info_if_needed(handle)
     free_unsharded_flat_param = handle.needs_unshard()
-    if rank0_writeback and handle.uses_sharded_strategy:
-        free_unsharded_flat_param = True
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
     computation_stream = state._device_handle.current_stream()
-    if rank0_writeback and handle.uses_sharded_strategy:
-        _gather_to_rank0(state, handle, computation_stream)
-    else:
-        _unshard(state, handle, computation_stream, computation_stream)
+    _unshard(state, handle, computation_stream, computation_stream)
     if with_grads:
         _unshard_grads_for_summon(handle)
 
-    if rank0_only and (
-        state.rank != 0
-        or (rank0_writeback and not _is_rank0_writeback_src(state, handle))
-    ):
+    if rank0_only and state.rank != 0:
         # Free the unsharded flattened parameter early
         _reshard(state, handle, free_unsharded_flat_param)
         if with_grads:
             _reshard_grads(handle)
         try:
             yield
-            body_succeeded = True
         finally:
-
-            def set_idle() -> None:
-                handle._training_state = HandleTrainingState.IDLE
-
-            if rank0_writeback:
-                # This rank's shard is in use until the writeback finished
-                rank0_writeback_call.start(  # type: ignore[union-attr]
-                    state, handle, body_succeeded, set_idle
-                )
-                if owns_rank0_writeback_call:
-                    rank0_writeback_call.wait()  # type: ignore[union-attr]
-            else:
-                set_idle()
+            handle._training_state = HandleTrainingState.IDLE
     else:
         # Unflatten the unsharded flattened parameters
         with contextlib.ExitStack() as stack:
@@ -612,33 +870,14 @@ def _unshard_fsdp_state_params(
                 stack.enter_context(_unsharded_grad_views(handle, writeback))
             try:
                 yield
-                body_succeeded = True
             finally:
                 stack.close()
-
-                def reshard() -> None:
-                    _reshard(state, handle, free_unsharded_flat_param)
-                    if with_grads:
-                        _reshard_grads(handle)
-                    handle._training_state = HandleTrainingState.IDLE
-
-                if rank0_writeback:
-                    # Rank 0 frees its unsharded parameter once it is sent
-                    rank0_writeback_call.start(  # type: ignore[union-attr]
-                        state, handle, body_succeeded, reshard
-                    )
-                    # With the parameters offloaded, exiting `to_cpu()` allocated
-                    # the unsharded parameter on the compute device again: free it
-                    # before the next state exits, so that the device holds one
-                    # state's at most, as on entry
-                    if owns_rank0_writeback_call or (
-                        offload_to_cpu and handle.device.type != "cpu"
-                    ):
-                        rank0_writeback_call.wait()  # type: ignore[union-attr]
-                else:
-                    if writeback:
-                        _writeback_to_local_shard(handle, with_grads)
-                    reshard()
+                if writeback:
+                    _writeback_to_local_shard(handle, with_grads)
+                _reshard(state, handle, free_unsharded_flat_param)
+                if with_grads:
+                    _reshard_grads(handle)
+                handle._training_state = HandleTrainingState.IDLE
 
 
 @contextlib.contextmanager
@@ -694,10 +933,10 @@ def _unshard_params(
 
     With ``writeback=True`` and ``rank0_only=True``, what rank 0 (for hybrid
     sharding, rank 0 of the first replica, which is global rank 0 by default)
-    changes in the unsharded parameters is written back to every rank upon
-    exit: rank 0 scatters each rank's shard (``NO_SHARD`` broadcasts), so the
-    other ranks never hold the unsharded parameters; their own changes are
-    discarded. If the body raises on any rank, the ranks agree to write back
+    changes in the unsharded parameters, and with ``with_grads=True`` in their
+    gradients, is written back to every rank upon exit: rank 0 scatters each
+    rank's shard (``NO_SHARD`` broadcasts), so the other ranks never hold the
+    unsharded parameters; their own changes are discarded. If the body raises on any rank, the ranks agree to write back
     nothing: every rank keeps the parameters it had before the context. With
     ``rank0_only=False``, each rank writes back its shard of its unsharded
     parameters upon exit, whether the body raised or not.
@@ -711,11 +950,15 @@ def _unshard_params(
         states_and_modules = ([optional_state], [module])
     else:
         states_and_modules = traversal_utils._get_fsdp_states_with_modules(module)
-    rank0_writeback_call = _Rank0WritebackCall() if writeback and rank0_only else None
+    rank0_writeback_call = None
+    if writeback and rank0_only:
+        for state in states_and_modules[0]:
+            _validate_rank0_writeback(state)
+        rank0_writeback_call = _Rank0WritebackCall.create()
     with contextlib.ExitStack() as stack:
         if rank0_writeback_call is not None:
             # Exits last: the states' writebacks run concurrently
-            stack.callback(rank0_writeback_call.wait)
+            stack.callback(rank0_writeback_call.frees.wait)
         for state, module in zip(*states_and_modules):
             stack.enter_context(
                 _unshard_params_for_summon(

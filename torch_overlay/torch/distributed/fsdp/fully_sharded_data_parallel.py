@@ -922,9 +922,9 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 redundant copies of model parameters being offloaded to the same CPU memory.
             with_grads (bool, Optional): If ``True``, gradients are also
                 unsharded with the parameters (offloaded to CPU with
-                ``offload_to_cpu=True``). Not supported together with
-                ``writeback=True`` and ``rank0_only=True``.
-                (Default: ``False``)
+                ``offload_to_cpu=True``). With ``writeback=True`` and
+                ``rank0_only=True``, rank 0's changes to the gradients are
+                written back to every rank too. (Default: ``False``)
         """
         with _unshard_params(
             module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
