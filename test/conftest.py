@@ -65,7 +65,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     stock = config.getoption("--stock")
     os.environ["TORCH_OVERLAY"] = "0" if stock else "1"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOT_DIR), os.environ.get("PYTHONPATH")]))
+    # This checkout next to the boot directory: spawned ranks must import this checkout's torch_overlay, as the
+    # pytest process does, not the one an (editable) install in a shared venv points to.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(BOOT_DIR), str(TEST_DIR.parent), os.environ.get("PYTHONPATH")])
+    )
     import torch_overlay._loader as loader
     from torch_overlay._guard import check_base
 

@@ -1,6 +1,7 @@
 # Owner(s): ["oncall: distributed"]
 
 import copy
+import shutil
 import sys
 import tempfile
 
@@ -133,9 +134,7 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         self.assertIsNotNone(local.grad)
         # During the owner's forward, the attribute is a zero-copy DTensor view.
         seen = []
-        handle = model.blocks[0].net1.register_forward_pre_hook(
-            lambda m, i: seen.append((m.weight, m.bias))
-        )
+        handle = model.blocks[0].net1.register_forward_pre_hook(lambda m, i: seen.append((m.weight, m.bias)))
         ddp(self.inputs(mesh, 3)).sum().backward()
         handle.remove()
         weight, bias = seen[0]
@@ -247,9 +246,12 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
                 for module in model.modules()
                 if "_dp_dtensor_param_views" in module.__dict__
             ]
+            # net1 and net2 of each block own TP parameters.
+            self.assertEqual(len(views), 2 * len(model.blocks))
             for v in views:
                 self.assertEqual(set(v.cache), set(v.specs))
             cached = [view for v in views for _, _, view in v.cache.values()]
+            self.assertEqual(len(cached), 2 * 2 * len(model.blocks))
             first_views = first_views or cached
             for view, first_view in zip(cached, first_views, strict=True):
                 self.assertIs(view, first_view, "a valid view was rebuilt")
@@ -276,6 +278,8 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         # Save, then load into a fresh 2-D model that already ran forwards.
         path = [tempfile.mkdtemp() if self.rank == 0 else None]
         dist.broadcast_object_list(path)
+        if self.rank == 0:
+            self.addCleanup(shutil.rmtree, path[0], ignore_errors=True)
         dcp.save(sd, checkpoint_id=path[0])
         _, fresh = self.build(mesh, seed=1)
         fresh_ddp = DDP(fresh, device_mesh=mesh["dp"])
@@ -399,17 +403,39 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         self.assertIsNone(old.grad)
         self.assertIsNotNone(net1.weight.grad)
 
-    def _check_parity(self, make_ddp, steps=3, check_grads=False, frozen=()):
+    def _check_parity(
+        self,
+        make_ddp,
+        steps=3,
+        check_grads=False,
+        frozen=(),
+        optimizer_first=False,
+        before_step=None,
+    ):
         mesh = self.mesh()
         reference, model = self.build(mesh)
         for name in frozen:
             model.get_parameter(name).requires_grad_(False)
             reference.get_parameter(name).requires_grad_(False)
+        if optimizer_first:
+            # Built on the TP model (DTensor parameters), and stepped once with
+            # the same input on every rank, before wrapping: AdamW has state.
+            optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+            ref_optim = torch.optim.AdamW(reference.parameters(), lr=0.05)
+            torch.manual_seed(999)
+            x = torch.randn(4, DIM)
+            for m, o in ((model, optim), (reference, ref_optim)):
+                m(x).pow(2).sum().backward()
+                o.step()
+                o.zero_grad()
         ddp = make_ddp(model, mesh)
         ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
-        optim = torch.optim.SGD(model.parameters(), lr=0.05)
-        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+        if not optimizer_first:
+            optim = torch.optim.SGD(model.parameters(), lr=0.05)
+            ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
         for step in range(steps):
+            if before_step is not None:
+                before_step(step, model, reference)
             x = self.inputs(mesh, step)
             loss = ddp(x).pow(2).sum()
             ref_loss = ref_ddp(x).pow(2).sum()
@@ -451,6 +477,57 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             return model
 
         self._check_parity(make)
+
+    def test_optimizer_built_before_wrapping(self):
+        """An optimizer built (and stepped) on the TP model before DDP trains the TP weights."""
+        self._check_parity(
+            lambda model, mesh: DDP(model, device_mesh=mesh["dp"]),
+            optimizer_first=True,
+        )
+
+    def test_replicate_optimizer_before_first_forward(self):
+        """replicate() with the optimizer built before its first forward (its lazy init)."""
+        self._check_parity(
+            lambda model, mesh: replicate(model, device_mesh=mesh["dp"]),
+            optimizer_first=True,
+        )
+
+    def test_load_state_dict_assign_after_wrapping(self):
+        """load_state_dict(assign=True) after wrapping: DDP and the optimizer see the loaded values."""
+        mesh = self.mesh()
+        _, other = self.build(mesh, seed=1)  # TP only: its state_dict holds DTensors
+        loaded = other.state_dict()
+        full_sd = {name: full(value).clone() for name, value in loaded.items()}
+
+        def before_step(step, model, reference):
+            if step == 1:
+                params = dict(model.named_parameters())
+                model.load_state_dict(loaded, assign=True)
+                # The non-TP reference copies the same values in.
+                reference.load_state_dict(full_sd)
+                for name, param in model.named_parameters():
+                    self.assertIs(param, params[name], name)
+
+        self._check_parity(
+            lambda model, mesh: DDP(model, device_mesh=mesh["dp"]),
+            before_step=before_step,
+        )
+
+    def test_load_state_dict_assign_other_dtype_raises(self):
+        """assign=True with tensors DDP's parameters cannot hold: a clear error, parameters kept."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        DDP(model, device_mesh=mesh["dp"])
+        params = dict(model.named_parameters())
+        sd = {name: value.double() for name, value in model.state_dict().items()}
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r'assigning the parameter named "blocks\.0\.net1\.weight": the model was wrapped',
+        ):
+            model.load_state_dict(sd, assign=True)
+        for name, param in model.named_parameters():
+            self.assertIs(param, params[name], name)
+            self.assertEqual(param.dtype, torch.float32, name)
 
 
 if __name__ == "__main__":

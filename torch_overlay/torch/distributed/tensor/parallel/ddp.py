@@ -5,6 +5,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel._data_parallel_utils import (
     _flatten_tensor,
@@ -187,6 +189,136 @@ def _register_dtensor_views(
     module.register_load_state_dict_pre_hook(_dtensor_load_state_dict_pre_hook)
 
 
+# NOTE: An optimizer built on the TP model before it was wrapped (or, for
+# ``replicate``, before its first forward, where it localizes) holds the DTensor
+# parameters that ``_localize_dtensor`` replaced by local ones. They never get a
+# gradient again, so the optimizer would skip them and the TP weights would
+# silently never train. Each replaced DTensor parameter maps to its local
+# parameter here, weakly (an entry lives as long as someone, e.g. an optimizer,
+# holds the DTensor), and a global optimizer step pre-hook, registered with the
+# first replacement, puts the local parameters in place of the DTensor ones in
+# the optimizer's parameter groups and state before it steps.
+_LOCALIZED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_optimizer_hook_handle = None
+
+
+def _local_state(value: Any, spec: DTensorSpec) -> Any:
+    """
+    The local shard of an optimizer state tensor of a replaced DTensor
+    parameter (e.g. Adam's ``exp_avg``), laid out like the local parameter.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    if value.placements != spec.placements:
+        value = value.redistribute(spec.mesh, spec.placements)
+    return value.to_local()
+
+
+def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
+    """
+    Optimizer step pre-hook: replace the DTensor parameters that were localized
+    for data parallelism by their local parameters, and move their state.
+    """
+    if not _LOCALIZED_PARAMS:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, param in enumerate(params):
+            local = _LOCALIZED_PARAMS.get(param)
+            if local is None:
+                continue
+            params[i] = local
+            state = optimizer.state.pop(param, None)
+            if state is not None:
+                optimizer.state[local] = {
+                    key: _local_state(value, local._st_info)
+                    for key, value in state.items()
+                }
+
+
+def _record_localized(param: nn.Parameter, local: nn.Parameter) -> None:
+    global _optimizer_hook_handle
+    _LOCALIZED_PARAMS[param] = local
+    if _optimizer_hook_handle is None:
+        _optimizer_hook_handle = register_optimizer_step_pre_hook(_use_localized_params)
+
+
+class _KeepParamsOnAssign:
+    """
+    Load hooks of a module whose parameters DDP holds after
+    ``_localize_dtensor``: ``load_state_dict(assign=True)`` registers new
+    parameter objects, which DDP's reducer and the user's optimizer never see,
+    so training would silently go on with the old ones, unsynchronized. The
+    registered objects are put back, holding the loaded tensors' data (what
+    ``assign`` asks for); a tensor that cannot be their data (another dtype or
+    device) is an error of ``load_state_dict``, and that parameter is kept.
+    """
+
+    def __init__(self, ignored: set[str]) -> None:
+        self.ignored = ignored
+        self.before: dict[str, tuple[nn.Parameter, bool]] = {}
+
+    def pre_hook(
+        self,
+        module: nn.Module,
+        state_dict,
+        prefix,
+        local_metadata,
+        strict,
+        missing_keys,
+        unexpected_keys,
+        error_msgs,
+    ) -> None:
+        self.before = {}
+        if not local_metadata.get("assign_to_params_buffers", False):
+            return
+        for name, param in module._parameters.items():
+            if param is None or name in self.ignored:
+                continue
+            value = state_dict.get(prefix + name)
+            ok = not isinstance(value, torch.Tensor) or (
+                value.dtype == param.dtype and value.device == param.device
+            )
+            if not ok:
+                error_msgs.append(
+                    f'While assigning the parameter named "{prefix + name}": '
+                    f"the model was wrapped by DistributedDataParallel with a "
+                    f"device_mesh, so DDP and the optimizer hold this parameter "
+                    f"({param.dtype} on {param.device}); assign=True can only give "
+                    f"it new data of the same dtype and device, not {value.dtype} "
+                    f"on {value.device}. Convert the state dict, or load with "
+                    f"assign=False."
+                )
+            self.before[name] = (param, ok)
+
+    def post_hook(self, module: nn.Module, incompatible_keys) -> None:
+        before, self.before = self.before, {}
+        for name, (old, ok) in before.items():
+            new = module._parameters.get(name)
+            if new is old or new is None:
+                continue
+            module._parameters[name] = old
+            if ok and new.shape == old.shape:
+                old.data = new.data
+
+
+def _keep_params_on_assign(
+    module: nn.Module, ignored_params: set[nn.Parameter]
+) -> None:
+    for submodule in module.modules():
+        if "_dp_keep_params_on_assign" in submodule.__dict__:
+            continue
+        ignored = {
+            name for name, p in submodule._parameters.items() if p in ignored_params
+        }
+        if len(ignored) == len(submodule._parameters):
+            continue
+        guard = _KeepParamsOnAssign(ignored)
+        submodule.__dict__["_dp_keep_params_on_assign"] = guard
+        submodule.register_load_state_dict_pre_hook(guard.pre_hook)
+        submodule.register_load_state_dict_post_hook(guard.post_hook)
+
+
 def _get_submodule_n_params(module: nn.Module, path: str):
     """
     Get submodule and the direct path of parameter from the module
@@ -250,6 +382,7 @@ def _localize_dtensor(
             t = nn.Parameter(t, requires_grad=param.requires_grad)
             t._st_info = sharding_info  # type: ignore[attr-defined]
             t = localized.setdefault(id(param), t)
+            _record_localized(param, t)
             param_list.append((*_get_submodule_n_params(module, name), t))
     _update_module_param(param_list)  # type: ignore[arg-type]
     # Registered once per parameter: a hook per forward would pile up.
@@ -261,6 +394,8 @@ def _localize_dtensor(
         owners.setdefault(parent_module, {})[module_path] = t._st_info  # type: ignore[attr-defined]
     for owner, specs in owners.items():
         _register_dtensor_views(owner, specs, forward_hooks=owner is not module)
+    # After the views' load hooks, which turn DTensors into local tensors.
+    _keep_params_on_assign(module, ignored_params)
 
 
 def _pre_dp_module_transform(module: nn.Module):
