@@ -11,6 +11,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable.replicate import replicate
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    StateDictOptions,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -528,6 +535,81 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         for name, param in model.named_parameters():
             self.assertIs(param, params[name], name)
             self.assertEqual(param.dtype, torch.float32, name)
+
+    def _train_steps(self, mesh, pairs, steps):
+        """One step per ``(ddp, optim)`` pair and step, on each step's input."""
+        for step in steps:
+            x = self.inputs(mesh, step)
+            for ddp, optim in pairs:
+                ddp(x).pow(2).sum().backward()
+                optim.step()
+                optim.zero_grad()
+
+    def test_dcp_state_dict_helpers(self):
+        """get_/set_model_state_dict and get_/set_optimizer_state_dict round-trip bitwise."""
+        mesh = self.mesh()
+        reference, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+        optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+        ref_optim = torch.optim.AdamW(reference.parameters(), lr=0.05)
+        self._train_steps(mesh, [(ddp, optim), (ref_ddp, ref_optim)], range(2))
+        ref_msd = get_model_state_dict(ref_ddp)
+        ref_osd = get_optimizer_state_dict(ref_ddp, ref_optim)
+
+        def same(actual, expected, what, **tolerance):
+            self.assertEqual(set(actual), set(expected), what)
+            for key, value in expected.items():
+                self.assertEqual(actual[key], value, msg=f"{what} {key}", **tolerance)
+
+        def bitwise(actual, expected, what):
+            same(actual, expected, what, atol=0, rtol=0)
+
+        cases = {
+            "sharded": StateDictOptions(),
+            "sharded, cpu_offload": StateDictOptions(cpu_offload=True),
+            "full": StateDictOptions(full_state_dict=True),
+            "full, cpu_offload, broadcast_from_rank0": StateDictOptions(
+                full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True
+            ),
+        }
+        saved = {}
+        for case, options in cases.items():
+            msd = get_model_state_dict(ddp, options=options)
+            osd = get_optimizer_state_dict(ddp, optim, options=options)
+            if options.full_state_dict and options.cpu_offload and self.rank != 0:
+                self.assertEqual(msd, {}, case)
+            elif options.full_state_dict:
+                # Global plain tensors, as for the non-TP reference.
+                self.assertEqual([k for k, v in msd.items() if isinstance(v, DTensor)], [], case)
+                same(msd, ref_msd, f"{case}: model")
+                for fqn, state in ref_osd["state"].items():
+                    same(osd["state"][fqn], state, f"{case}: optimizer {fqn}")
+            else:
+                # TP parameters and their optimizer states as DTensors.
+                tp_keys = [k for k, v in msd.items() if isinstance(v, DTensor)]
+                self.assertEqual(len(tp_keys), 4 * len(model.blocks), case)
+                same({k: full(v) for k, v in msd.items()}, ref_msd, f"{case}: model")
+                for fqn, state in ref_osd["state"].items():
+                    actual = osd["state"][fqn]
+                    self.assertEqual(isinstance(actual["exp_avg"], DTensor), fqn in tp_keys, fqn)
+                    same({k: full(v) for k, v in actual.items()}, state, f"{case}: optimizer {fqn}")
+            saved[case] = copy.deepcopy((msd, osd))
+        # The original and its reference take one more step, and so does each
+        # fresh DDP(TP) model loaded from one of the state dicts: bitwise alike.
+        self._train_steps(mesh, [(ddp, optim), (ref_ddp, ref_optim)], [2])
+        expected = {k: full(v) for k, v in model.state_dict().items()}
+        self.assertEqual(expected, reference.state_dict())
+        for case, (msd, osd) in saved.items():
+            options = cases[case]
+            _, fresh = self.build(mesh, seed=1)
+            fresh_ddp = DDP(fresh, device_mesh=mesh["dp"])
+            fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+            set_model_state_dict(fresh_ddp, msd, options=options)
+            set_optimizer_state_dict(fresh_ddp, fresh_optim, osd, options=options)
+            self._train_steps(mesh, [(fresh_ddp, fresh_optim)], [2])
+            loaded = {k: full(v) for k, v in fresh.state_dict().items()}
+            bitwise(loaded, expected, f"{case}: loaded, then one step")
 
 
 if __name__ == "__main__":

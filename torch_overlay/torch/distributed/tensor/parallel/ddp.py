@@ -1,5 +1,6 @@
 # mypy: allow-untyped-defs
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -8,6 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel._data_parallel_utils import (
     _flatten_tensor,
     sync_grad_hook,
@@ -156,18 +158,43 @@ def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
             state_dict[key] = _dtensor_view(value, spec)
 
 
+def _to_local_shard(value: Any, spec: DTensorSpec, local_shape: torch.Size) -> Any:
+    """
+    The local shard of ``value`` for a localized parameter of global ``spec``:
+    a DTensor is redistributed to the parameter's placements; a plain tensor of
+    the global shape (a full state dict, as for TP alone) is sliced, without
+    communication, as every rank holds all of it. Anything else is returned as
+    is (a local shard, or a tensor that ``load_state_dict`` reports).
+    """
+    if isinstance(value, DTensor):
+        if value.placements != spec.placements:
+            value = value.redistribute(spec.mesh, spec.placements)
+        return value.to_local()
+    if (
+        isinstance(value, torch.Tensor)
+        and value.shape == spec.shape
+        and value.shape != local_shape
+    ):
+        shape, offset = compute_local_shape_and_global_offset(
+            spec.shape, spec.mesh, spec.placements
+        )
+        return value[tuple(slice(o, o + n) for n, o in zip(shape, offset))]
+    return value
+
+
 def _dtensor_load_state_dict_pre_hook(module: nn.Module, state_dict, prefix, *_: Any):
     """
-    Accept DTensors (what ``state_dict()`` returns) for localized parameters:
-    load their local shards, redistributed to the parameter's placements.
+    Accept DTensors (what ``state_dict()`` returns) and full tensors of the
+    global shape (what ``get_model_state_dict(full_state_dict=True)`` returns)
+    for localized parameters: load the parameter's local shard of them.
     """
+    params = module._parameters
     for name, spec in module.__dict__[_VIEWS_ATTR].specs.items():
         key = prefix + name
         value = state_dict.get(key)
-        if isinstance(value, DTensor):
-            if value.placements != spec.placements:
-                value = value.redistribute(spec.mesh, spec.placements)
-            state_dict[key] = value.to_local()
+        param = params.get(name)
+        if value is not None and param is not None:
+            state_dict[key] = _to_local_shard(value, spec, param.shape)
 
 
 def _register_dtensor_views(
@@ -236,11 +263,96 @@ def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
                 }
 
 
+# NOTE: An optimizer of localized parameters keeps their state (e.g. Adam's
+# ``exp_avg``) as local shards. Its ``state_dict()`` gives them as DTensors of
+# the global shape, as for TP alone (so ``get_optimizer_state_dict``, full or
+# sharded, and DCP see the same as without DDP), and its ``load_state_dict()``
+# takes them back, or full tensors of the global shape, as local shards. The
+# hooks are registered on each optimizer that holds localized parameters at
+# its first step, which ``get_optimizer_state_dict`` also runs to create the
+# state. The number of parameters it had then is kept (negated once the hooks
+# are registered), to look again only when parameters are added.
+_OPTIMIZER_PARAM_COUNTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _optimizer_params_by_index(optimizer: Optimizer, state_dict) -> dict[Any, Any]:
+    """
+    Map the parameter indices of an optimizer state dict to the optimizer's
+    parameters, as ``Optimizer.load_state_dict`` does.
+    """
+    return dict(
+        zip(
+            chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+            chain.from_iterable(g["params"] for g in optimizer.param_groups),
+        )
+    )
+
+
+def _optimizer_state_dict_post_hook(optimizer: Optimizer, state_dict) -> None:
+    params = _optimizer_params_by_index(optimizer, state_dict)
+    for index, state in state_dict["state"].items():
+        param = params.get(index)
+        spec = getattr(param, "_st_info", None)
+        if spec is None:
+            continue
+        state_dict["state"][index] = {
+            key: _dtensor_view(value, spec)
+            if isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.dim() > 0
+            and value.shape == param.shape
+            else value
+            for key, value in state.items()
+        }
+
+
+def _optimizer_load_state_dict_pre_hook(optimizer: Optimizer, state_dict) -> Any:
+    params = _optimizer_params_by_index(optimizer, state_dict)
+    new_state = {}
+    for index, state in state_dict["state"].items():
+        param = params.get(index)
+        spec = getattr(param, "_st_info", None)
+        if spec is not None and isinstance(state, dict):
+            state = {
+                key: _to_local_shard(value, spec, param.shape)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in state.items()
+            }
+        new_state[index] = state
+    return {**state_dict, "state": new_state}
+
+
+def _register_optimizer_hooks(optimizer: Optimizer) -> None:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    seen = _OPTIMIZER_PARAM_COUNTS.get(optimizer)
+    if seen is not None and abs(seen) == count:
+        return
+    if seen is not None and seen < 0:
+        _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
+        return
+    _OPTIMIZER_PARAM_COUNTS[optimizer] = count
+    if any(hasattr(p, "_st_info") for g in optimizer.param_groups for p in g["params"]):
+        _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
+        optimizer.register_state_dict_post_hook(_optimizer_state_dict_post_hook)
+        optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
+
+
+def _optimizer_step_pre_hook(optimizer: Optimizer, *_: Any) -> None:
+    """
+    Global optimizer step pre-hook, registered with the first localization.
+    """
+    _use_localized_params(optimizer)
+    _register_optimizer_hooks(optimizer)
+
+
 def _record_localized(param: nn.Parameter, local: nn.Parameter) -> None:
     global _optimizer_hook_handle
     _LOCALIZED_PARAMS[param] = local
     if _optimizer_hook_handle is None:
-        _optimizer_hook_handle = register_optimizer_step_pre_hook(_use_localized_params)
+        _optimizer_hook_handle = register_optimizer_step_pre_hook(
+            _optimizer_step_pre_hook
+        )
 
 
 class _KeepParamsOnAssign:
