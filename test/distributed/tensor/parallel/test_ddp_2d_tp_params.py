@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -76,6 +77,20 @@ class Model(nn.Module):
             else:
                 x = block(x)
         return self.head(x)
+
+
+class TwoBlocks(nn.Module):
+    """TP blocks held as attributes, plain parameters around them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.b1 = MLP()
+        self.b2 = MLP()
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(self.embed(x))))
 
 
 def tp_plan(model: Model):
@@ -418,9 +433,14 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         frozen=(),
         optimizer_first=False,
         before_step=None,
+        tied=False,
     ):
         mesh = self.mesh()
         reference, model = self.build(mesh)
+        if tied:
+            # Tied after TP, which gives each module its own DTensor.
+            for m in (reference, model):
+                m.blocks[1].net1.weight = m.blocks[0].net1.weight
         for name in frozen:
             model.get_parameter(name).requires_grad_(False)
             reference.get_parameter(name).requires_grad_(False)
@@ -610,6 +630,46 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             self._train_steps(mesh, [(fresh_ddp, fresh_optim)], [2])
             loaded = {k: full(v) for k, v in fresh.state_dict().items()}
             bitwise(loaded, expected, f"{case}: loaded, then one step")
+
+    def test_compile_training_parity(self):
+        """torch.compile(DDP(TP model)) trains like the non-TP reference, without recompiling."""
+        mesh = self.mesh()
+        # NOTE: no torch._dynamo.reset(): it drops the overlay's dynamo rules
+        # (torch_overlay._dynamo_rules), and users do not call it.
+        for backend in ("aot_eager", "inductor"):
+            counters.clear()
+            torch.manual_seed(0)
+            reference = TwoBlocks()
+            model = copy.deepcopy(reference)
+            plan = {"b1.net1": ColwiseParallel(), "b1.net2": RowwiseParallel()}
+            plan.update({"b2.net1": ColwiseParallel(), "b2.net2": RowwiseParallel()})
+            parallelize_module(model, mesh["tp"], plan)
+            for m in (reference, model):
+                # Tied after TP, which gives each module its own DTensor.
+                m.b2.net1.weight = m.b1.net1.weight
+                m.b2.net2.weight.requires_grad_(False)
+            ddp = torch.compile(DDP(model, device_mesh=mesh["dp"]), backend=backend)
+            ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+            optim = torch.optim.SGD(model.parameters(), lr=0.05)
+            ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+            graphs = []
+            for step in range(4):
+                x = self.inputs(mesh, step)
+                loss = ddp(x).pow(2).sum()
+                ref_loss = ref_ddp(x).pow(2).sum()
+                self.assertEqual(loss, ref_loss, msg=f"{backend} step {step}")
+                loss.backward()
+                ref_loss.backward()
+                self.assert_grads_match(model, reference)
+                optim.step()
+                ref_optim.step()
+                optim.zero_grad()
+                ref_optim.zero_grad()
+                graphs.append(counters["stats"]["unique_graphs"])
+            state = {name: full(value) for name, value in model.state_dict().items()}
+            self.assertEqual(state, reference.state_dict())
+            # Compiled in the first step only: nothing recompiles step after step.
+            self.assertEqual(graphs, [graphs[0]] * 4, backend)
 
 
 if __name__ == "__main__":

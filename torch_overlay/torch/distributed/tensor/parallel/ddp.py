@@ -100,6 +100,13 @@ def _cached_dtensor_view(
     Return the DTensor view of the local parameter ``local`` registered as
     ``name``: the cached one if still valid, else a new one, cached.
     """
+    if torch.compiler.is_compiling():
+        # NOTE: Under torch.compile the view is built inside the graph, where
+        # ``from_local`` costs nothing, and is never cached: a view stored in
+        # the cache would outlive the graph and become one of its outputs, and
+        # AOT autograd would expect a DTensor gradient for it in backward where
+        # none flows (the cache's checks would also break the graph).
+        return _dtensor_view(local, views.specs[name])
     cached = views.cache.get(name)
     if cached is not None:
         param, version, view = cached
