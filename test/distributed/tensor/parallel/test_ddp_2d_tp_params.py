@@ -50,10 +50,10 @@ DIM = 8
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
-        self.net1 = nn.Linear(DIM, 2 * DIM)
-        self.net2 = nn.Linear(2 * DIM, DIM)
+        self.net1 = nn.Linear(dim, 2 * dim)
+        self.net2 = nn.Linear(2 * dim, dim)
 
     def forward(self, x):
         return self.net2(F.relu(self.net1(x)))
@@ -82,12 +82,12 @@ class Model(nn.Module):
 class TwoBlocks(nn.Module):
     """TP blocks held as attributes, plain parameters around them."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
-        self.embed = nn.Linear(DIM, DIM)
-        self.b1 = MLP()
-        self.b2 = MLP()
-        self.head = nn.Linear(DIM, DIM)
+        self.embed = nn.Linear(dim, dim)
+        self.b1 = MLP(dim)
+        self.b2 = MLP(dim)
+        self.head = nn.Linear(dim, dim)
 
     def forward(self, x):
         return self.head(self.b2(self.b1(self.embed(x))))
@@ -631,15 +631,13 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             loaded = {k: full(v) for k, v in fresh.state_dict().items()}
             bitwise(loaded, expected, f"{case}: loaded, then one step")
 
-    def test_compile_training_parity(self):
-        """torch.compile(DDP(TP model)) trains like the non-TP reference, without recompiling."""
+    def _check_compiled_parity(self, backends, dim=DIM, **ddp_kwargs):
+        """Compiled DDP(TP) against the eager non-TP reference: frozen and tied TP parameters, no recompiles."""
         mesh = self.mesh()
-        # NOTE: no torch._dynamo.reset(): it drops the overlay's dynamo rules
-        # (torch_overlay._dynamo_rules), and users do not call it.
-        for backend in ("aot_eager", "inductor"):
+        for backend in backends:
             counters.clear()
             torch.manual_seed(0)
-            reference = TwoBlocks()
+            reference = TwoBlocks(dim)
             model = copy.deepcopy(reference)
             plan = {"b1.net1": ColwiseParallel(), "b1.net2": RowwiseParallel()}
             plan.update({"b2.net1": ColwiseParallel(), "b2.net2": RowwiseParallel()})
@@ -648,13 +646,14 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
                 # Tied after TP, which gives each module its own DTensor.
                 m.b2.net1.weight = m.b1.net1.weight
                 m.b2.net2.weight.requires_grad_(False)
-            ddp = torch.compile(DDP(model, device_mesh=mesh["dp"]), backend=backend)
-            ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+            ddp = torch.compile(DDP(model, device_mesh=mesh["dp"], **ddp_kwargs), backend=backend)
+            ref_ddp = DDP(reference, process_group=mesh["dp"].get_group(), **ddp_kwargs)
             optim = torch.optim.SGD(model.parameters(), lr=0.05)
             ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
             graphs = []
             for step in range(4):
-                x = self.inputs(mesh, step)
+                torch.manual_seed(1000 * step + mesh["dp"].get_local_rank())
+                x = torch.randn(4, dim)
                 loss = ddp(x).pow(2).sum()
                 ref_loss = ref_ddp(x).pow(2).sum()
                 self.assertEqual(loss, ref_loss, msg=f"{backend} step {step}")
@@ -669,7 +668,19 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             state = {name: full(value) for name, value in model.state_dict().items()}
             self.assertEqual(state, reference.state_dict())
             # Compiled in the first step only: nothing recompiles step after step.
+            self.assertGreater(graphs[0], 0, backend)
             self.assertEqual(graphs, [graphs[0]] * 4, backend)
+
+    def test_compile_training_parity(self):
+        """torch.compile(DDP(TP model)) trains like the non-TP reference, without recompiling."""
+        # NOTE: no torch._dynamo.reset() here: users do not call it (the harness
+        # does between tests).
+        self._check_compiled_parity(("aot_eager", "inductor"))
+
+    def test_compile_without_graph_splitting(self):
+        """Several DDP buckets, compiled with optimize_ddp=False (the workaround the README gives)."""
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            self._check_compiled_parity(("aot_eager",), dim=512, bucket_cap_mb=1)
 
 
 if __name__ == "__main__":
