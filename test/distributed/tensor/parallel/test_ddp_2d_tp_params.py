@@ -160,7 +160,9 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         self.assertIsNotNone(local.grad)
         # During the owner's forward, the attribute is a zero-copy DTensor view.
         seen = []
-        handle = model.blocks[0].net1.register_forward_pre_hook(lambda m, i: seen.append((m.weight, m.bias)))
+        handle = model.blocks[0].net1.register_forward_pre_hook(
+            lambda m, i: seen.append((m.weight, m.bias))
+        )
         ddp(self.inputs(mesh, 3)).sum().backward()
         handle.remove()
         weight, bias = seen[0]
