@@ -135,7 +135,7 @@ def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list
     return figures
 
 
-def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: int, repeats: int):
+def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: int, repeats: int, compiled: bool):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -155,11 +155,30 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
     torch.manual_seed(mesh["dp"].get_local_rank())
     x = torch.randn(batch, dim)
     runs = {}
-    for key, model, params in (
+    configs = [
         ("overlay", overlay, overlay_model.parameters()),
         ("stock", stock, stock_model.parameters()),
         ("fsdp2", fsdp, fsdp.parameters()),
-    ):
+    ]
+    if compiled:
+        # The same models, compiled with the default backend (inductor); compiled in the warm-up steps. DDP's
+        # graph splitting (optimize_ddp) fails on TP models whose parameters span several buckets (README,
+        # "Limitations"), so it is off; FSDP2 does not use it.
+        torch._dynamo.config.optimize_ddp = False
+        overlay_compiled = _tp_model(mesh, blocks, dim, hidden)
+        fsdp_compiled = _tp_model(mesh, blocks, dim, hidden)
+        for block in fsdp_compiled.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(fsdp_compiled, mesh=mesh["dp"])
+        configs += [
+            (
+                "overlay_compiled",
+                torch.compile(DDP(overlay_compiled, device_mesh=mesh["dp"])),
+                overlay_compiled.parameters(),
+            ),
+            ("fsdp2_compiled", torch.compile(fsdp_compiled), fsdp_compiled.parameters()),
+        ]
+    for key, model, params in configs:
         optim = torch.optim.SGD(list(params), lr=1e-3)
 
         def step(model=model, optim=optim) -> None:
@@ -169,9 +188,11 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
 
         runs[key] = step
     figures: dict[str, list[float]] = {key: [] for key in runs}
-    for step in runs.values():  # warm-up (stock swaps its parameters on the first forward only)
-        step()
-        step()
+    # Warm-up: stock swaps its parameters on the first forward only; DDP rebuilds its buckets after the first
+    # step, and the compiled configurations compile once more when it does.
+    for step in runs.values():
+        for _ in range(3):
+            step()
     keys = list(runs)
     for repeat in range(repeats):
         # Rotate the order so that no configuration always runs first (or right after another).
@@ -191,7 +212,9 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch_overlay.activate()
     hooks = _hook_figures(mesh, args.params, args.hook_iters, args.repeats)
-    steps = _step_figures(mesh, args.blocks, args.dim, args.hidden, args.batch, args.step_iters, args.repeats)
+    steps = _step_figures(
+        mesh, args.blocks, args.dim, args.hidden, args.batch, args.step_iters, args.repeats, not args.no_compile
+    )
     queue.put((rank, hooks, steps))
     dist.destroy_process_group()
 
@@ -214,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--step-iters", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configurations")
     args = parser.parse_args(argv)
     print(
         f"{WORLD_SIZE} ranks, 2x2 (dp x tp) mesh, CPU/gloo, 1 thread per rank, torch {torch.__version__}, "
@@ -254,6 +278,24 @@ def main(argv: list[str] | None = None) -> int:
         f"overlay/stock per repeat (paired): median {statistics.median(paired):.3f}, "
         f"range {min(paired):.3f} .. {max(paired):.3f}"
     )
+    if "overlay_compiled" in steps[0]:
+        compiled = _slowest_median(steps, "overlay_compiled")
+        print("\n3. compiled training step (torch.compile, default backend), same model")
+        print(f"{'':<44}{'ms/step':>9}{'compiled/x':>11}")
+        names = {
+            "overlay_compiled": "(d) compiled overlay DDP(device_mesh=dp)",
+            "overlay": "(a) eager overlay DDP(device_mesh=dp)",
+            "fsdp2_compiled": "(e) compiled FSDP2 over TP",
+        }
+        for key, name in names.items():
+            t = _slowest_median(steps, key)
+            print(f"{name:<44}{t * 1e3:>9.2f}{compiled / t:>11.3f}")
+        for other in ("overlay", "fsdp2_compiled"):
+            paired = [c / o for c, o in zip(_slowest(steps, "overlay_compiled"), _slowest(steps, other), strict=True)]
+            print(
+                f"(d)/{names[other][:3]} per repeat (paired): median {statistics.median(paired):.3f}, "
+                f"range {min(paired):.3f} .. {max(paired):.3f}"
+            )
     return 0
 
 

@@ -1,5 +1,6 @@
 # Owner(s): ["oncall: distributed"]
 
+import shutil
 import tempfile
 
 import torch
@@ -113,6 +114,8 @@ class Test2dParallelIntegration(DTensorContinuousTestBase):
 
         path = [tempfile.mkdtemp() if self.rank == 0 else None]
         dist.broadcast_object_list(path)
+        if self.rank == 0:
+            self.addCleanup(shutil.rmtree, path[0], ignore_errors=True)
         dcp.save(twod_model.state_dict(), checkpoint_id=path[0])
 
         # Load into a fresh 2-D model that already trained a step on its own.

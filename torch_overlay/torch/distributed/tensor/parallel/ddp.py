@@ -1,11 +1,15 @@
 # mypy: allow-untyped-defs
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel._data_parallel_utils import (
     _flatten_tensor,
     sync_grad_hook,
@@ -96,6 +100,13 @@ def _cached_dtensor_view(
     Return the DTensor view of the local parameter ``local`` registered as
     ``name``: the cached one if still valid, else a new one, cached.
     """
+    if torch.compiler.is_compiling():
+        # NOTE: Under torch.compile the view is built inside the graph, where
+        # ``from_local`` costs nothing, and is never cached: a view stored in
+        # the cache would outlive the graph and become one of its outputs, and
+        # AOT autograd would expect a DTensor gradient for it in backward where
+        # none flows (the cache's checks would also break the graph).
+        return _dtensor_view(local, views.specs[name])
     cached = views.cache.get(name)
     if cached is not None:
         param, version, view = cached
@@ -154,18 +165,43 @@ def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
             state_dict[key] = _dtensor_view(value, spec)
 
 
+def _to_local_shard(value: Any, spec: DTensorSpec, local_shape: torch.Size) -> Any:
+    """
+    The local shard of ``value`` for a localized parameter of global ``spec``:
+    a DTensor is redistributed to the parameter's placements; a plain tensor of
+    the global shape (a full state dict, as for TP alone) is sliced, without
+    communication, as every rank holds all of it. Anything else is returned as
+    is (a local shard, or a tensor that ``load_state_dict`` reports).
+    """
+    if isinstance(value, DTensor):
+        if value.placements != spec.placements:
+            value = value.redistribute(spec.mesh, spec.placements)
+        return value.to_local()
+    if (
+        isinstance(value, torch.Tensor)
+        and value.shape == spec.shape
+        and value.shape != local_shape
+    ):
+        shape, offset = compute_local_shape_and_global_offset(
+            spec.shape, spec.mesh, spec.placements
+        )
+        return value[tuple(slice(o, o + n) for n, o in zip(shape, offset))]
+    return value
+
+
 def _dtensor_load_state_dict_pre_hook(module: nn.Module, state_dict, prefix, *_: Any):
     """
-    Accept DTensors (what ``state_dict()`` returns) for localized parameters:
-    load their local shards, redistributed to the parameter's placements.
+    Accept DTensors (what ``state_dict()`` returns) and full tensors of the
+    global shape (what ``get_model_state_dict(full_state_dict=True)`` returns)
+    for localized parameters: load the parameter's local shard of them.
     """
+    params = module._parameters
     for name, spec in module.__dict__[_VIEWS_ATTR].specs.items():
         key = prefix + name
         value = state_dict.get(key)
-        if isinstance(value, DTensor):
-            if value.placements != spec.placements:
-                value = value.redistribute(spec.mesh, spec.placements)
-            state_dict[key] = value.to_local()
+        param = params.get(name)
+        if value is not None and param is not None:
+            state_dict[key] = _to_local_shard(value, spec, param.shape)
 
 
 def _register_dtensor_views(
@@ -185,6 +221,221 @@ def _register_dtensor_views(
         module.register_forward_hook(_exit_dtensor_views, always_call=True)
     module.register_state_dict_post_hook(_dtensor_state_dict_hook)
     module.register_load_state_dict_pre_hook(_dtensor_load_state_dict_pre_hook)
+
+
+# NOTE: An optimizer built on the TP model before it was wrapped (or, for
+# ``replicate``, before its first forward, where it localizes) holds the DTensor
+# parameters that ``_localize_dtensor`` replaced by local ones. They never get a
+# gradient again, so the optimizer would skip them and the TP weights would
+# silently never train. Each replaced DTensor parameter maps to its local
+# parameter here, weakly (an entry lives as long as someone, e.g. an optimizer,
+# holds the DTensor), and a global optimizer step pre-hook, registered with the
+# first replacement, puts the local parameters in place of the DTensor ones in
+# the optimizer's parameter groups and state before it steps.
+_LOCALIZED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_optimizer_hook_handle = None
+
+
+def _local_state(value: Any, spec: DTensorSpec) -> Any:
+    """
+    The local shard of an optimizer state tensor of a replaced DTensor
+    parameter (e.g. Adam's ``exp_avg``), laid out like the local parameter.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    if value.placements != spec.placements:
+        value = value.redistribute(spec.mesh, spec.placements)
+    return value.to_local()
+
+
+def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
+    """
+    Optimizer step pre-hook: replace the DTensor parameters that were localized
+    for data parallelism by their local parameters, and move their state.
+    """
+    if not _LOCALIZED_PARAMS:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, param in enumerate(params):
+            local = _LOCALIZED_PARAMS.get(param)
+            if local is None:
+                continue
+            params[i] = local
+            state = optimizer.state.pop(param, None)
+            if state is not None:
+                optimizer.state[local] = {
+                    key: _local_state(value, local._st_info)
+                    for key, value in state.items()
+                }
+
+
+# NOTE: An optimizer of localized parameters keeps their state (e.g. Adam's
+# ``exp_avg``) as local shards. Its ``state_dict()`` gives them as DTensors of
+# the global shape, as for TP alone (so ``get_optimizer_state_dict``, full or
+# sharded, and DCP see the same as without DDP), and its ``load_state_dict()``
+# takes them back, or full tensors of the global shape, as local shards. The
+# hooks are registered on each optimizer that holds localized parameters at
+# its first step, which ``get_optimizer_state_dict`` also runs to create the
+# state. The number of parameters it had then is kept (negated once the hooks
+# are registered), to look again only when parameters are added.
+_OPTIMIZER_PARAM_COUNTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _optimizer_params_by_index(optimizer: Optimizer, state_dict) -> dict[Any, Any]:
+    """
+    Map the parameter indices of an optimizer state dict to the optimizer's
+    parameters, as ``Optimizer.load_state_dict`` does.
+    """
+    return dict(
+        zip(
+            chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+            chain.from_iterable(g["params"] for g in optimizer.param_groups),
+        )
+    )
+
+
+def _optimizer_state_dict_post_hook(optimizer: Optimizer, state_dict) -> None:
+    params = _optimizer_params_by_index(optimizer, state_dict)
+    for index, state in state_dict["state"].items():
+        param = params.get(index)
+        spec = getattr(param, "_st_info", None)
+        if spec is None:
+            continue
+        state_dict["state"][index] = {
+            key: _dtensor_view(value, spec)
+            if isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.dim() > 0
+            and value.shape == param.shape
+            else value
+            for key, value in state.items()
+        }
+
+
+def _optimizer_load_state_dict_pre_hook(optimizer: Optimizer, state_dict) -> Any:
+    params = _optimizer_params_by_index(optimizer, state_dict)
+    new_state = {}
+    for index, state in state_dict["state"].items():
+        param = params.get(index)
+        spec = getattr(param, "_st_info", None)
+        if spec is not None and isinstance(state, dict):
+            state = {
+                key: _to_local_shard(value, spec, param.shape)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in state.items()
+            }
+        new_state[index] = state
+    return {**state_dict, "state": new_state}
+
+
+def _register_optimizer_hooks(optimizer: Optimizer) -> None:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    seen = _OPTIMIZER_PARAM_COUNTS.get(optimizer)
+    if seen is not None and abs(seen) == count:
+        return
+    if seen is not None and seen < 0:
+        _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
+        return
+    _OPTIMIZER_PARAM_COUNTS[optimizer] = count
+    if any(hasattr(p, "_st_info") for g in optimizer.param_groups for p in g["params"]):
+        _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
+        optimizer.register_state_dict_post_hook(_optimizer_state_dict_post_hook)
+        optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
+
+
+def _optimizer_step_pre_hook(optimizer: Optimizer, *_: Any) -> None:
+    """
+    Global optimizer step pre-hook, registered with the first localization.
+    """
+    _use_localized_params(optimizer)
+    _register_optimizer_hooks(optimizer)
+
+
+def _record_localized(param: nn.Parameter, local: nn.Parameter) -> None:
+    global _optimizer_hook_handle
+    _LOCALIZED_PARAMS[param] = local
+    if _optimizer_hook_handle is None:
+        _optimizer_hook_handle = register_optimizer_step_pre_hook(
+            _optimizer_step_pre_hook
+        )
+
+
+class _KeepParamsOnAssign:
+    """
+    Load hooks of a module whose parameters DDP holds after
+    ``_localize_dtensor``: ``load_state_dict(assign=True)`` registers new
+    parameter objects, which DDP's reducer and the user's optimizer never see,
+    so training would silently go on with the old ones, unsynchronized. The
+    registered objects are put back, holding the loaded tensors' data (what
+    ``assign`` asks for); a tensor that cannot be their data (another dtype or
+    device) is an error of ``load_state_dict``, and that parameter is kept.
+    """
+
+    def __init__(self, ignored: set[str]) -> None:
+        self.ignored = ignored
+        self.before: dict[str, tuple[nn.Parameter, bool]] = {}
+
+    def pre_hook(
+        self,
+        module: nn.Module,
+        state_dict,
+        prefix,
+        local_metadata,
+        strict,
+        missing_keys,
+        unexpected_keys,
+        error_msgs,
+    ) -> None:
+        self.before = {}
+        if not local_metadata.get("assign_to_params_buffers", False):
+            return
+        for name, param in module._parameters.items():
+            if param is None or name in self.ignored:
+                continue
+            value = state_dict.get(prefix + name)
+            ok = not isinstance(value, torch.Tensor) or (
+                value.dtype == param.dtype and value.device == param.device
+            )
+            if not ok:
+                error_msgs.append(
+                    f'While assigning the parameter named "{prefix + name}": '
+                    f"the model was wrapped by DistributedDataParallel with a "
+                    f"device_mesh, so DDP and the optimizer hold this parameter "
+                    f"({param.dtype} on {param.device}); assign=True can only give "
+                    f"it new data of the same dtype and device, not {value.dtype} "
+                    f"on {value.device}. Convert the state dict, or load with "
+                    f"assign=False."
+                )
+            self.before[name] = (param, ok)
+
+    def post_hook(self, module: nn.Module, incompatible_keys) -> None:
+        before, self.before = self.before, {}
+        for name, (old, ok) in before.items():
+            new = module._parameters.get(name)
+            if new is old or new is None:
+                continue
+            module._parameters[name] = old
+            if ok and new.shape == old.shape:
+                old.data = new.data
+
+
+def _keep_params_on_assign(
+    module: nn.Module, ignored_params: set[nn.Parameter]
+) -> None:
+    for submodule in module.modules():
+        if "_dp_keep_params_on_assign" in submodule.__dict__:
+            continue
+        ignored = {
+            name for name, p in submodule._parameters.items() if p in ignored_params
+        }
+        if len(ignored) == len(submodule._parameters):
+            continue
+        guard = _KeepParamsOnAssign(ignored)
+        submodule.__dict__["_dp_keep_params_on_assign"] = guard
+        submodule.register_load_state_dict_pre_hook(guard.pre_hook)
+        submodule.register_load_state_dict_post_hook(guard.post_hook)
 
 
 def _get_submodule_n_params(module: nn.Module, path: str):
@@ -250,6 +501,7 @@ def _localize_dtensor(
             t = nn.Parameter(t, requires_grad=param.requires_grad)
             t._st_info = sharding_info  # type: ignore[attr-defined]
             t = localized.setdefault(id(param), t)
+            _record_localized(param, t)
             param_list.append((*_get_submodule_n_params(module, name), t))
     _update_module_param(param_list)  # type: ignore[arg-type]
     # Registered once per parameter: a hook per forward would pile up.
@@ -261,6 +513,8 @@ def _localize_dtensor(
         owners.setdefault(parent_module, {})[module_path] = t._st_info  # type: ignore[attr-defined]
     for owner, specs in owners.items():
         _register_dtensor_views(owner, specs, forward_hooks=owner is not module)
+    # After the views' load hooks, which turn DTensors into local tensors.
+    _keep_params_on_assign(module, ignored_params)
 
 
 def _pre_dp_module_transform(module: nn.Module):
