@@ -236,6 +236,11 @@ def _scatter_from_rank0(
     if groups.in_src_replica:
         scatter_list = None
         if padded_unsharded is not None:
+            # The padding goes into the last rank's shard, and must be zeros as
+            # after sharding: it is uninitialized after `to_cpu()`, which
+            # re-allocates the padded unsharded flat parameter upon exit
+            numel = handle.flat_param._unpadded_unsharded_size.numel()  # type: ignore[attr-defined]
+            padded_unsharded[numel:].zero_()
             scatter_list = list(padded_unsharded.chunk(handle.world_size))
         work = dist.scatter(
             buffer, scatter_list, group=groups.shard, group_src=0, async_op=True
@@ -403,7 +408,7 @@ def _gather_grad_to_rank0(
         if send is None:
             send = torch.zeros(
                 flat_param._sharded_size,  # type: ignore[attr-defined]
-                dtype=flat_param.dtype,
+                dtype=_grad_dtype(handle),
                 device=handle.device,
             )
         gather_list = None
@@ -444,11 +449,10 @@ def _start_rank0_writeback(
             _broadcast_no_shard(groups, handle, flat_param.data, 0 if succeeded else 1)
         ]
         if grads is not None and succeeded:
-            works.append(
-                _broadcast_no_shard(
-                    groups, handle, _grad_to_receive(handle, grads, works), 0
-                )
-            )
+            grad, on_received = _grad_to_receive(handle, grads)
+            works.append(_broadcast_no_shard(groups, handle, grad, 0))
+            if on_received is not None:
+                works[-1].on_done.append(on_received)
         return works
     if not succeeded:
         # Only the source's unsharded copies changed, and they are freed
@@ -462,21 +466,35 @@ def _start_rank0_writeback(
         )
     ]
     if grads is not None:
-        grad = _grad_to_receive(handle, grads, works)
+        grad, on_received = _grad_to_receive(handle, grads)
         works.append(_scatter_from_rank0(groups, handle, grads.padded, grad))
+        if on_received is not None:
+            # After the staging copy, and only if the gradient's own
+            # collective finished
+            works[-1].on_done.append(on_received)
     return works
 
 
+def _grad_dtype(handle: FlatParamHandle) -> torch.dtype:
+    """
+    The dtype of the handle's sharded gradient after a backward: the low
+    precision one with ``keep_low_precision_grads=True``, as
+    ``prepare_gradient_for_optim()`` leaves it, else the parameter's.
+    """
+    if handle._keep_low_precision_grads:
+        return handle._fwd_bwd_param_dtype
+    return handle.flat_param.dtype
+
+
 def _grad_to_receive(
-    handle: FlatParamHandle,
-    grads: _Rank0Grads,
-    works: list[_Rank0WritebackWork],
-) -> torch.Tensor:
+    handle: FlatParamHandle, grads: _Rank0Grads
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """
     Returns the gradient that receives the source's: the sharded one (for
     the source, the one saved on entry; ``NO_SHARD``: the edited copy), or if
-    there is none, a new one, set as the gradient once the last of ``works``
-    finished.
+    there is none, a new one, with what sets it as the gradient once it was
+    received. The new one is on the device of the sharded parameter (CPU with
+    ``CPUOffload(offload_params=True)``), which a gradient must share.
     """
     flat_param = handle.flat_param
     if grads.padded is not None:
@@ -484,15 +502,14 @@ def _grad_to_receive(
     else:
         grad = flat_param.grad
     if grad is not None:
-        return grad
+        return grad, None
     grad = torch.zeros(
         flat_param._sharded_size,  # type: ignore[attr-defined]
-        dtype=flat_param.dtype,
-        device=handle.device,
+        dtype=_grad_dtype(handle),
+        device=getattr(flat_param, "_cpu_grad", flat_param._local_shard).device,  # type: ignore[attr-defined]
     )
     attr = "grad" if grads.padded is None else "_saved_grad_shard"
-    works[-1].on_done.append(lambda: setattr(flat_param, attr, grad))
-    return grad
+    return grad, lambda: setattr(flat_param, attr, grad)
 
 
 def _finish_rank0_writeback(
