@@ -9,7 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
 import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 from torch.distributed.fsdp._unshard_param_utils import _unshard_fsdp_state_params
@@ -885,6 +889,31 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
             self.assertEqual(grad.shape, flat_param._sharded_size)
             self.assertIsNotNone(on_received)
             self.assertIsNone(flat_param.grad)
+
+    def test_rank0_writeback_new_grad_in_low_precision(self):
+        """
+        With ``keep_low_precision_grads=True``, a rank without a gradient sends and
+        receives zeros in the low precision that the other ranks' gradients have, not
+        in the parameter's dtype.
+        """
+        model = _wrap(
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            mixed_precision=MixedPrecision(
+                param_dtype=torch.float16, keep_low_precision_grads=True
+            ),
+        )
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+        for fsdp_module in FSDP.fsdp_modules(model):
+            handle = fsdp_module._handle
+            self.assertEqual(unshard_param_utils._grad_dtype(handle), torch.float16)
+            grad, _ = unshard_param_utils._grad_to_receive(
+                handle, unshard_param_utils._Rank0Grads(padded=None, saved=None)
+            )
+            self.assertEqual(grad.dtype, torch.float16)
+            self.assertEqual(handle.flat_param.dtype, torch.float32)
 
     def test_rank0_writeback_new_grad_waits_for_its_collective(self):
         """

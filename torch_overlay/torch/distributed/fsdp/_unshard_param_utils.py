@@ -87,7 +87,8 @@ def _writeback_to_local_shard(
 #    sharding); the other ranks keep their shards and never allocate the
 #    unsharded one. With ``with_grads=True``, the ranks all-reduce whether any
 #    of them has a gradient; if one has, the gradient shards are gathered the
-#    same way (a rank without one sends zeros, as ``unshard_grad()`` does).
+#    same way (a rank without one sends zeros, as ``unshard_grad()`` does, in
+#    the gradients' dtype, low precision with ``keep_low_precision_grads``).
 #    ``NO_SHARD`` moves nothing: rank 0 edits its parameter in place and a
 #    copy of its gradient.
 # 2. Exit. The ranks all-reduce whether the body succeeded everywhere, once
@@ -98,9 +99,13 @@ def _writeback_to_local_shard(
 #    changes. Otherwise the source scatters each rank its padded shard of the
 #    parameter, then of the gradient (``NO_SHARD`` broadcasts), and for
 #    hybrid sharding the source's replica broadcasts each shard to the other
-#    replicas. A rank receives into its own shard, in place; a rank without
-#    a gradient receives into a new one. A shard off the compute device
-#    (``CPUOffload``) receives into a staging shard, copied once received.
+#    replicas. The source zeros the padding first: it lands in the last
+#    rank's shard, which must keep zeros there as after sharding. A rank
+#    receives into its own shard, in place; a rank without a gradient
+#    receives into a new one on its sharded parameter's device, set as its
+#    gradient only once that collective finished. A shard off the compute
+#    device (``CPUOffload``) receives into a staging shard, copied once
+#    received.
 # 3. Frees. The collectives of all handles run concurrently
 #    (``async_op=True``). Only once all of them finished does the source free
 #    its unsharded flat parameter and gradient (which it is sending) and
@@ -113,6 +118,12 @@ def _writeback_to_local_shard(
 #    The unsharded parameter is freed
 #    even if it was allocated before the context (e.g. the root's after a
 #    forward), so that no rank keeps a copy that disagrees with its shard.
+#
+# Limits: (a) as elsewhere in FSDP, a failure on one rank on entry (e.g. out
+# of memory allocating the source's unsharded parameter) is not agreed on, so
+# the other ranks may block in the next collective. (b) With ``NO_SHARD``, if
+# the body raises, the rollback broadcasts rank 1's parameter, including
+# whatever rank 1's body changed in it.
 
 
 class _Rank0WritebackGroups(NamedTuple):
@@ -954,7 +965,10 @@ def _unshard_params(
     gradients, is written back to every rank upon exit: rank 0 scatters each
     rank's shard (``NO_SHARD`` broadcasts), so the other ranks never hold the
     unsharded parameters; their own changes are discarded. If the body raises on any rank, the ranks agree to write back
-    nothing: every rank keeps the parameters it had before the context. With
+    nothing: every rank keeps the parameters it had before the context
+    (with ``NO_SHARD``, rank 1's, including what its body changed). A
+    failure on one rank on entry (e.g. out of memory on rank 0) is not
+    agreed on, as elsewhere in FSDP: the other ranks may block. With
     ``rank0_only=False``, each rank writes back its shard of its unsharded
     parameters upon exit, whether the body raised or not.
     """
