@@ -909,11 +909,15 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         for fsdp_module in FSDP.fsdp_modules(model):
             handle = fsdp_module._handle
             self.assertEqual(unshard_param_utils._grad_dtype(handle), torch.float16)
-            grad, _ = unshard_param_utils._grad_to_receive(
+            grad, on_received = unshard_param_utils._grad_to_receive(
                 handle, unshard_param_utils._Rank0Grads(padded=None, saved=None)
             )
             self.assertEqual(grad.dtype, torch.float16)
             self.assertEqual(handle.flat_param.dtype, torch.float32)
+            # `.grad` refuses a gradient of another dtype
+            on_received()
+            self.assertIs(handle.flat_param.grad.dtype, torch.float16)
+            handle.flat_param.grad = None
 
     def test_rank0_writeback_new_grad_waits_for_its_collective(self):
         """

@@ -408,8 +408,11 @@ def _gather_grad_to_rank0(
     grad = flat_param.grad
     if not handle.uses_sharded_strategy:
         if groups.is_src:
-            flat_param.grad = (
-                torch.zeros_like(flat_param) if grad is None else grad.clone()
+            _set_grad(
+                flat_param,
+                torch.zeros_like(flat_param, dtype=_grad_dtype(handle))
+                if grad is None
+                else grad.clone(),
             )
             _unshard_grads_for_summon(handle)
         return _Rank0Grads(padded=None, saved=grad)
@@ -519,8 +522,22 @@ def _grad_to_receive(
         dtype=_grad_dtype(handle),
         device=getattr(flat_param, "_cpu_grad", flat_param._local_shard).device,  # type: ignore[attr-defined]
     )
-    attr = "grad" if grads.padded is None else "_saved_grad_shard"
-    return grad, lambda: setattr(flat_param, attr, grad)
+    if grads.padded is None:
+        return grad, lambda: _set_grad(flat_param, grad)
+    return grad, lambda: setattr(flat_param, "_saved_grad_shard", grad)
+
+
+def _set_grad(flat_param: torch.Tensor, grad: torch.Tensor) -> None:
+    """
+    Sets ``grad`` as the gradient of ``flat_param``, in low precision too:
+    ``.grad`` refuses another dtype, so this bypasses the check with ``.data``
+    as ``prepare_gradient_for_optim()`` does.
+    """
+    if grad.dtype == flat_param.dtype:
+        flat_param.grad = grad
+        return
+    flat_param.grad = torch.empty_like(grad, dtype=flat_param.dtype)
+    flat_param.grad.data = grad
 
 
 def _finish_rank0_writeback(
