@@ -925,7 +925,10 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         finished: if it fails, the rank still has none.
         """
         model = _wrap(
-            _make_reference(), process_group=self.process_group, device_id=self.device
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            use_orig_params=True,
         )
         _backward(model, self.device)
         if self.rank != 0:
