@@ -9,7 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
 import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 from torch.distributed.fsdp._unshard_param_utils import _unshard_fsdp_state_params
@@ -792,6 +796,178 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
             for param, (value, grad) in zip(model.parameters(), before, strict=True):
                 self.assertTrue(torch.equal(param, value))
                 self.assertTrue(torch.equal(param.grad, grad))
+
+    def test_rank0_writeback_padding_stays_zeros(self):
+        """
+        The padding of the last rank's shard stays zeros, whatever rank 0's padded
+        unsharded flat parameter and gradient hold past the unpadded numel: after
+        ``to_cpu()`` on an accelerator, the padding of the re-allocated padded unsharded
+        flat parameter is uninitialized, and without ``use_orig_params`` the shard's
+        padding is visible in ``model.parameters()``.
+        """
+        self.run_subtests(
+            {
+                "sharding_strategy": [
+                    ShardingStrategy.FULL_SHARD,
+                    ShardingStrategy.SHARD_GRAD_OP,
+                ],
+                "use_orig_params": [False, True],
+                "with_grads": [False, True],
+            },
+            self._test_rank0_writeback_padding_stays_zeros,
+        )
+
+    def _test_rank0_writeback_padding_stays_zeros(
+        self, sharding_strategy, use_orig_params, with_grads
+    ):
+        model = _wrap(
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        handles = [fsdp_module._handle for fsdp_module in FSDP.fsdp_modules(model)]
+        # The root's 21 elements leave one element of padding on the last rank (with
+        # `use_orig_params`, alignment padding makes them 22)
+        if self.rank == self.world_size - 1 and not use_orig_params:
+            self.assertTrue(any(h.flat_param._shard_numel_padded for h in handles))
+        _backward(model, self.device)
+        with FSDP.summon_full_params(
+            model, writeback=True, rank0_only=True, with_grads=with_grads
+        ):
+            if self.rank == 0:
+                for handle in handles:
+                    flat_param = handle.flat_param
+                    numel = flat_param._unpadded_unsharded_size.numel()
+                    padded = [flat_param._full_param_padded]
+                    if with_grads:
+                        # The gradient is a view into the padded unsharded one
+                        storage = flat_param.grad.untyped_storage()
+                        padded.append(
+                            flat_param.grad.new_empty(0).set_(storage).view(-1)
+                        )
+                    for tensor in padded:
+                        tensor[numel:].fill_(float("nan"))
+        self._check_idle_and_resharded(model)
+        paddings = []
+        for handle in handles:
+            flat_param = handle.flat_param
+            shards = [flat_param._local_shard]
+            if with_grads:
+                shards.append(flat_param.grad)
+            for shard in shards:
+                paddings.append(shard[shard.numel() - flat_param._shard_numel_padded :])
+        zeros = all(torch.equal(p, torch.zeros_like(p)) for p in paddings)
+        # Every rank fails together, so that none blocks in the next collective
+        agreed = torch.tensor([int(zeros)], device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.process_group)
+        self.assertTrue(agreed.item(), f"rank {self.rank}: paddings {paddings}")
+
+    def test_rank0_writeback_new_grad_on_sharded_param_device(self):
+        """
+        A rank without a gradient receives rank 0's into a new one on the device of its
+        sharded parameter, not on the compute device: with
+        ``CPUOffload(offload_params=True)``, a gradient on the accelerator could not be
+        the gradient of the CPU parameter. CPU offloading needs an accelerator, so the
+        offloaded gradient's device is faked (``meta``) on the handle.
+        """
+        model = _wrap(
+            _make_reference(), process_group=self.process_group, device_id=self.device
+        )
+        _backward(model, self.device)
+        model.zero_grad(set_to_none=True)
+        for fsdp_module in FSDP.fsdp_modules(model):
+            flat_param = fsdp_module._handle.flat_param
+            offloaded = torch.empty(flat_param._sharded_size, device="meta")
+            with mock.patch.object(flat_param, "_cpu_grad", offloaded, create=True):
+                grad, on_received = unshard_param_utils._grad_to_receive(
+                    fsdp_module._handle,
+                    unshard_param_utils._Rank0Grads(padded=None, saved=None),
+                )
+            self.assertEqual(grad.device, offloaded.device)
+            self.assertEqual(grad.shape, flat_param._sharded_size)
+            self.assertIsNotNone(on_received)
+            self.assertIsNone(flat_param.grad)
+
+    def test_rank0_writeback_new_grad_in_low_precision(self):
+        """
+        With ``keep_low_precision_grads=True``, a rank without a gradient sends and
+        receives zeros in the low precision that the other ranks' gradients have, not
+        in the parameter's dtype.
+        """
+        model = _wrap(
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            mixed_precision=MixedPrecision(
+                param_dtype=torch.float16, keep_low_precision_grads=True
+            ),
+        )
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+        for fsdp_module in FSDP.fsdp_modules(model):
+            handle = fsdp_module._handle
+            self.assertEqual(unshard_param_utils._grad_dtype(handle), torch.float16)
+            grad, on_received = unshard_param_utils._grad_to_receive(
+                handle, unshard_param_utils._Rank0Grads(padded=None, saved=None)
+            )
+            self.assertEqual(grad.dtype, torch.float16)
+            self.assertEqual(handle.flat_param.dtype, torch.float32)
+            # `.grad` refuses a gradient of another dtype
+            on_received()
+            self.assertIs(handle.flat_param.grad.dtype, torch.float16)
+            handle.flat_param.grad = None
+
+    def test_rank0_writeback_new_grad_waits_for_its_collective(self):
+        """
+        A rank without a gradient gets one only once the gradient's own collective
+        finished: if it fails, the rank still has none.
+        """
+        model = _wrap(
+            _make_reference(),
+            process_group=self.process_group,
+            device_id=self.device,
+            use_orig_params=True,
+        )
+        _backward(model, self.device)
+        if self.rank != 0:
+            model.zero_grad(set_to_none=True)
+        scatter = dist.scatter
+        started = []
+
+        class FailingWork:
+            """Each unit scatters its parameter, then its gradient, which fails."""
+
+            def __init__(self, work: dist.Work, fails: bool) -> None:
+                self._work = work
+                self._fails = fails
+
+            def wait(self, *args, **kwargs):
+                self._work.wait(*args, **kwargs)
+                if self._fails:
+                    raise _BodyError("gradient collective failed")
+
+        def failing_scatter(*args, **kwargs):
+            work = scatter(*args, **kwargs)
+            if work is None:
+                return None
+            started.append(FailingWork(work, fails=len(started) % 2 == 1))
+            return started[-1]
+
+        with mock.patch.object(dist, "scatter", failing_scatter):
+            with self.assertRaisesRegex(_BodyError, "gradient collective failed"):
+                with FSDP.summon_full_params(
+                    model, writeback=True, rank0_only=True, with_grads=True
+                ):
+                    pass
+        self.assertEqual(len(started), 4)
+        for fsdp_module in FSDP.fsdp_modules(model):
+            handle = fsdp_module._handle
+            if self.rank != 0:
+                self.assertIsNone(handle.flat_param.grad)
+            unshard_param_utils._reshard(fsdp_module, handle, True)
+            handle._training_state = HandleTrainingState.IDLE
 
     def test_rank0_writeback_no_shard_cpu_offload_on_accelerator_raises(self):
         """

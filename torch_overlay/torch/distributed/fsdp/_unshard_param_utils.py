@@ -87,7 +87,8 @@ def _writeback_to_local_shard(
 #    sharding); the other ranks keep their shards and never allocate the
 #    unsharded one. With ``with_grads=True``, the ranks all-reduce whether any
 #    of them has a gradient; if one has, the gradient shards are gathered the
-#    same way (a rank without one sends zeros, as ``unshard_grad()`` does).
+#    same way (a rank without one sends zeros, as ``unshard_grad()`` does, in
+#    the gradients' dtype, low precision with ``keep_low_precision_grads``).
 #    ``NO_SHARD`` moves nothing: rank 0 edits its parameter in place and a
 #    copy of its gradient.
 # 2. Exit. The ranks all-reduce whether the body succeeded everywhere, once
@@ -98,9 +99,13 @@ def _writeback_to_local_shard(
 #    changes. Otherwise the source scatters each rank its padded shard of the
 #    parameter, then of the gradient (``NO_SHARD`` broadcasts), and for
 #    hybrid sharding the source's replica broadcasts each shard to the other
-#    replicas. A rank receives into its own shard, in place; a rank without
-#    a gradient receives into a new one. A shard off the compute device
-#    (``CPUOffload``) receives into a staging shard, copied once received.
+#    replicas. The source zeros the padding first: it lands in the last
+#    rank's shard, which must keep zeros there as after sharding. A rank
+#    receives into its own shard, in place; a rank without a gradient
+#    receives into a new one on its sharded parameter's device, set as its
+#    gradient only once that collective finished. A shard off the compute
+#    device (``CPUOffload``) receives into a staging shard, copied once
+#    received.
 # 3. Frees. The collectives of all handles run concurrently
 #    (``async_op=True``). Only once all of them finished does the source free
 #    its unsharded flat parameter and gradient (which it is sending) and
@@ -113,6 +118,12 @@ def _writeback_to_local_shard(
 #    The unsharded parameter is freed
 #    even if it was allocated before the context (e.g. the root's after a
 #    forward), so that no rank keeps a copy that disagrees with its shard.
+#
+# Limits: (a) as elsewhere in FSDP, a failure on one rank on entry (e.g. out
+# of memory allocating the source's unsharded parameter) is not agreed on, so
+# the other ranks may block in the next collective. (b) With ``NO_SHARD``, if
+# the body raises, the rollback broadcasts rank 1's parameter, including
+# whatever rank 1's body changed in it.
 
 
 class _Rank0WritebackGroups(NamedTuple):
@@ -236,6 +247,11 @@ def _scatter_from_rank0(
     if groups.in_src_replica:
         scatter_list = None
         if padded_unsharded is not None:
+            # The padding goes into the last rank's shard, and must be zeros as
+            # after sharding: it is uninitialized after `to_cpu()`, which
+            # re-allocates the padded unsharded flat parameter upon exit
+            numel = handle.flat_param._unpadded_unsharded_size.numel()  # type: ignore[attr-defined]
+            padded_unsharded[numel:].zero_()
             scatter_list = list(padded_unsharded.chunk(handle.world_size))
         work = dist.scatter(
             buffer, scatter_list, group=groups.shard, group_src=0, async_op=True
@@ -392,8 +408,11 @@ def _gather_grad_to_rank0(
     grad = flat_param.grad
     if not handle.uses_sharded_strategy:
         if groups.is_src:
-            flat_param.grad = (
-                torch.zeros_like(flat_param) if grad is None else grad.clone()
+            _set_grad(
+                flat_param,
+                torch.zeros_like(flat_param, dtype=_grad_dtype(handle))
+                if grad is None
+                else grad.clone(),
             )
             _unshard_grads_for_summon(handle)
         return _Rank0Grads(padded=None, saved=grad)
@@ -403,7 +422,7 @@ def _gather_grad_to_rank0(
         if send is None:
             send = torch.zeros(
                 flat_param._sharded_size,  # type: ignore[attr-defined]
-                dtype=flat_param.dtype,
+                dtype=_grad_dtype(handle),
                 device=handle.device,
             )
         gather_list = None
@@ -444,11 +463,10 @@ def _start_rank0_writeback(
             _broadcast_no_shard(groups, handle, flat_param.data, 0 if succeeded else 1)
         ]
         if grads is not None and succeeded:
-            works.append(
-                _broadcast_no_shard(
-                    groups, handle, _grad_to_receive(handle, grads, works), 0
-                )
-            )
+            grad, on_received = _grad_to_receive(handle, grads)
+            works.append(_broadcast_no_shard(groups, handle, grad, 0))
+            if on_received is not None:
+                works[-1].on_done.append(on_received)
         return works
     if not succeeded:
         # Only the source's unsharded copies changed, and they are freed
@@ -462,21 +480,35 @@ def _start_rank0_writeback(
         )
     ]
     if grads is not None:
-        grad = _grad_to_receive(handle, grads, works)
+        grad, on_received = _grad_to_receive(handle, grads)
         works.append(_scatter_from_rank0(groups, handle, grads.padded, grad))
+        if on_received is not None:
+            # After the staging copy, and only if the gradient's own
+            # collective finished
+            works[-1].on_done.append(on_received)
     return works
 
 
+def _grad_dtype(handle: FlatParamHandle) -> torch.dtype:
+    """
+    The dtype of the handle's sharded gradient after a backward: the low
+    precision one with ``keep_low_precision_grads=True``, as
+    ``prepare_gradient_for_optim()`` leaves it, else the parameter's.
+    """
+    if handle._keep_low_precision_grads:
+        return handle._fwd_bwd_param_dtype
+    return handle.flat_param.dtype
+
+
 def _grad_to_receive(
-    handle: FlatParamHandle,
-    grads: _Rank0Grads,
-    works: list[_Rank0WritebackWork],
-) -> torch.Tensor:
+    handle: FlatParamHandle, grads: _Rank0Grads
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """
     Returns the gradient that receives the source's: the sharded one (for
     the source, the one saved on entry; ``NO_SHARD``: the edited copy), or if
-    there is none, a new one, set as the gradient once the last of ``works``
-    finished.
+    there is none, a new one, with what sets it as the gradient once it was
+    received. The new one is on the device of the sharded parameter (CPU with
+    ``CPUOffload(offload_params=True)``), which a gradient must share.
     """
     flat_param = handle.flat_param
     if grads.padded is not None:
@@ -484,15 +516,28 @@ def _grad_to_receive(
     else:
         grad = flat_param.grad
     if grad is not None:
-        return grad
+        return grad, None
     grad = torch.zeros(
         flat_param._sharded_size,  # type: ignore[attr-defined]
-        dtype=flat_param.dtype,
-        device=handle.device,
+        dtype=_grad_dtype(handle),
+        device=getattr(flat_param, "_cpu_grad", flat_param._local_shard).device,  # type: ignore[attr-defined]
     )
-    attr = "grad" if grads.padded is None else "_saved_grad_shard"
-    works[-1].on_done.append(lambda: setattr(flat_param, attr, grad))
-    return grad
+    if grads.padded is None:
+        return grad, lambda: _set_grad(flat_param, grad)
+    return grad, lambda: setattr(flat_param, "_saved_grad_shard", grad)
+
+
+def _set_grad(flat_param: torch.Tensor, grad: torch.Tensor) -> None:
+    """
+    Sets ``grad`` as the gradient of ``flat_param``, in low precision too:
+    ``.grad`` refuses another dtype, so this bypasses the check with ``.data``
+    as ``prepare_gradient_for_optim()`` does.
+    """
+    if grad.dtype == flat_param.dtype:
+        flat_param.grad = grad
+        return
+    flat_param.grad = torch.empty_like(grad, dtype=flat_param.dtype)
+    flat_param.grad.data = grad
 
 
 def _finish_rank0_writeback(
@@ -937,7 +982,10 @@ def _unshard_params(
     gradients, is written back to every rank upon exit: rank 0 scatters each
     rank's shard (``NO_SHARD`` broadcasts), so the other ranks never hold the
     unsharded parameters; their own changes are discarded. If the body raises on any rank, the ranks agree to write back
-    nothing: every rank keeps the parameters it had before the context. With
+    nothing: every rank keeps the parameters it had before the context
+    (with ``NO_SHARD``, rank 1's, including what its body changed). A
+    failure on one rank on entry (e.g. out of memory on rank 0) is not
+    agreed on, as elsewhere in FSDP: the other ranks may block. With
     ``rank0_only=False``, each rank writes back its shard of its unsharded
     parameters upon exit, whether the body raised or not.
     """
