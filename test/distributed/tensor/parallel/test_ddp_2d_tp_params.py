@@ -567,6 +567,61 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
                 optim.step()
                 optim.zero_grad()
 
+    def full_optimizer_state_dict(self, optim):
+        """``optim.state_dict()`` with every tensor as a full (global-shape) plain tensor."""
+        osd = optim.state_dict()
+        return {
+            "param_groups": copy.deepcopy(osd["param_groups"]),
+            "state": {
+                index: {key: full(value).clone() for key, value in state.items()}
+                for index, state in osd["state"].items()
+            },
+        }
+
+    def test_full_state_dict_load_copies(self):
+        """Full tensors loaded with assign=True or into the optimizer are copied: the caller's stay unchanged."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+        self._train_steps(mesh, [(ddp, optim)], range(2))
+        full_msd = {name: full(value).clone() for name, value in model.state_dict().items()}
+        full_osd = self.full_optimizer_state_dict(optim)
+        expected = copy.deepcopy((full_msd, full_osd))
+        _, fresh = self.build(mesh, seed=1)
+        fresh_ddp = DDP(fresh, device_mesh=mesh["dp"])
+        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+        self._train_steps(mesh, [(fresh_ddp, fresh_optim)], [0])
+        fresh.load_state_dict(full_msd, assign=True)
+        fresh_optim.load_state_dict(full_osd)
+        for name, param in fresh.named_parameters():
+            self.assertTrue(param.is_contiguous(), name)
+        for param, state in fresh_optim.state.items():
+            for key, value in state.items():
+                if value.dim() > 0:
+                    self.assertEqual(value.shape, param.shape, key)
+                    self.assertTrue(value.is_contiguous(), key)
+        # Both go on like the original, and the caller's full tensors of the
+        # sharded TP parameters are untouched (those of the same shape as the
+        # local parameter, plain or replicated, are taken as they are, as by
+        # assign=True and Optimizer.load_state_dict without DDP).
+        self._train_steps(mesh, [(ddp, optim), (fresh_ddp, fresh_optim)], [2])
+        self.assertEqual(fresh.state_dict(), model.state_dict(), atol=0, rtol=0)
+        tp_keys = [
+            k
+            for k, v in model.state_dict().items()
+            if isinstance(v, DTensor) and v.shape != v.to_local().shape
+        ]
+        self.assertEqual(len(tp_keys), 3 * len(model.blocks))
+        for key in tp_keys:
+            self.assertEqual(full_msd[key], expected[0][key], atol=0, rtol=0, msg=key)
+        tp_indices = [i for i, name in enumerate(dict(model.named_parameters())) if name in tp_keys]
+        for index in tp_indices:
+            for key, value in expected[1]["state"][index].items():
+                if value.dim() == 0:
+                    continue  # "step", taken as it is, as without DDP
+                self.assertEqual(full_osd["state"][index][key], value, atol=0, rtol=0, msg=f"{index} {key}")
+
     def test_dcp_state_dict_helpers(self):
         """get_/set_model_state_dict and get_/set_optimizer_state_dict round-trip bitwise."""
         mesh = self.mesh()

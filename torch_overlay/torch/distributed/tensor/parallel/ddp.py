@@ -170,8 +170,12 @@ def _to_local_shard(value: Any, spec: DTensorSpec, local_shape: torch.Size) -> A
     The local shard of ``value`` for a localized parameter of global ``spec``:
     a DTensor is redistributed to the parameter's placements; a plain tensor of
     the global shape (a full state dict, as for TP alone) is sliced, without
-    communication, as every rank holds all of it. Anything else is returned as
-    is (a local shard, or a tensor that ``load_state_dict`` reports).
+    communication, as every rank holds all of it, and copied: a slice would
+    keep the whole full tensor alive in the parameter or optimizer state it
+    becomes (``assign=True``, ``Optimizer.load_state_dict``), non-contiguous,
+    and the optimizer's steps would write into the caller's full tensors.
+    Anything else is returned as is (a local shard, or a tensor that
+    ``load_state_dict`` reports).
     """
     if isinstance(value, DTensor):
         if value.placements != spec.placements:
@@ -185,7 +189,8 @@ def _to_local_shard(value: Any, spec: DTensorSpec, local_shape: torch.Size) -> A
         shape, offset = compute_local_shape_and_global_offset(
             spec.shape, spec.mesh, spec.placements
         )
-        return value[tuple(slice(o, o + n) for n, o in zip(shape, offset))]
+        local = value[tuple(slice(o, o + n) for n, o in zip(shape, offset))]
+        return local.clone(memory_format=torch.contiguous_format)
     return value
 
 
