@@ -622,6 +622,34 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
                     continue  # "step", taken as it is, as without DDP
                 self.assertEqual(full_osd["state"][index][key], value, atol=0, rtol=0, msg=f"{index} {key}")
 
+    def test_optimizer_resume_before_first_step(self):
+        """Build the optimizer, load its saved state dict, then train: bitwise like going on."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+        self._train_steps(mesh, [(ddp, optim)], range(2))
+        saved = {
+            "DTensor states (optimizer.state_dict())": copy.deepcopy(optim.state_dict()),
+            "full states": self.full_optimizer_state_dict(optim),
+        }
+        msd = copy.deepcopy(model.state_dict())
+        resumed = []
+        for case, osd in saved.items():
+            _, fresh = self.build(mesh, seed=1)
+            fresh_ddp = DDP(fresh, device_mesh=mesh["dp"])
+            fresh.load_state_dict(msd)
+            fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+            fresh_optim.load_state_dict(osd)
+            resumed.append((case, fresh, fresh_ddp, fresh_optim))
+        self._train_steps(mesh, [(ddp, optim)] + [r[2:] for r in resumed], [2, 3])
+        expected = {k: full(v) for k, v in model.state_dict().items()}
+        for case, fresh, _, fresh_optim in resumed:
+            loaded = {k: full(v) for k, v in fresh.state_dict().items()}
+            self.assertEqual(loaded, expected, atol=0, rtol=0, msg=case)
+            for param, state in fresh_optim.state.items():
+                self.assertEqual(state["exp_avg"].shape, param.shape, case)
+
     def test_dcp_state_dict_helpers(self):
         """get_/set_model_state_dict and get_/set_optimizer_state_dict round-trip bitwise."""
         mesh = self.mesh()

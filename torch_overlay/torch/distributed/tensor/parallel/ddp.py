@@ -241,16 +241,16 @@ _LOCALIZED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _optimizer_hook_handle = None
 
 
-def _local_state(value: Any, spec: DTensorSpec) -> Any:
+def _local_state(value: Any, local: nn.Parameter) -> Any:
     """
-    The local shard of an optimizer state tensor of a replaced DTensor
-    parameter (e.g. Adam's ``exp_avg``), laid out like the local parameter.
+    The local shard of an optimizer state tensor of the localized parameter
+    ``local`` (e.g. Adam's ``exp_avg``): a DTensor or a full tensor of the
+    global shape becomes a tensor laid out like ``local``; a 0-dim tensor
+    (``step``) or anything else is kept.
     """
-    if not isinstance(value, DTensor):
-        return value
-    if value.placements != spec.placements:
-        value = value.redistribute(spec.mesh, spec.placements)
-    return value.to_local()
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return _to_local_shard(value, local._st_info, local.shape)
+    return value
 
 
 def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
@@ -270,8 +270,7 @@ def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
             state = optimizer.state.pop(param, None)
             if state is not None:
                 optimizer.state[local] = {
-                    key: _local_state(value, local._st_info)
-                    for key, value in state.items()
+                    key: _local_state(value, local) for key, value in state.items()
                 }
 
 
@@ -283,7 +282,10 @@ def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
 # hooks are registered on each optimizer that holds localized parameters at
 # its first step, which ``get_optimizer_state_dict`` also runs to create the
 # state. The number of parameters it had then is kept (negated once the hooks
-# are registered), to look again only when parameters are added.
+# are registered), to look again only when parameters are added. A state dict
+# loaded before that first step (the usual resume: build the optimizer, load,
+# train) went in without the load hook, so its states of localized parameters
+# are converted to local shards then, as the hook would have done.
 _OPTIMIZER_PARAM_COUNTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -348,6 +350,13 @@ def _register_optimizer_hooks(optimizer: Optimizer) -> None:
         _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
         optimizer.register_state_dict_post_hook(_optimizer_state_dict_post_hook)
         optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if state and hasattr(param, "_st_info"):
+                    optimizer.state[param] = {
+                        key: _local_state(value, param) for key, value in state.items()
+                    }
 
 
 def _optimizer_step_pre_hook(optimizer: Optimizer, *_: Any) -> None:
