@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     parallelize_module,
@@ -649,6 +649,26 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             self.assertEqual(loaded, expected, atol=0, rtol=0, msg=case)
             for param, state in fresh_optim.state.items():
                 self.assertEqual(state["exp_avg"].shape, param.shape, case)
+
+    def test_replicate_forward_raises(self):
+        """A forward that raised leaves no stale DTensor views: the next one sees new parameter data."""
+        mesh = self.mesh()
+        torch.manual_seed(0)
+        model = nn.Linear(DIM, 2 * DIM)  # the root owns the TP parameters
+        reference = copy.deepcopy(model)
+        parallelize_module(model, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+        replicate(model, device_mesh=mesh["dp"])
+        x = self.inputs(mesh, 0)
+        self.assertEqual(model(x), reference(x))
+        with self.assertRaises(RuntimeError):
+            model(torch.randn(4, DIM + 1))  # the wrong shape, on every rank
+        self.assertNotIsInstance(model.weight, DTensor)
+        # New data for the (colwise-sharded) weight, as module.to() or a load would give.
+        torch.manual_seed(1)
+        reference.weight.data = torch.randn(2 * DIM, DIM)
+        tp_rank = mesh["tp"].get_local_rank()
+        model.weight.data = reference.weight.data.chunk(2)[tp_rank].clone()
+        self.assertEqual(model(x), reference(x))
 
     def test_dcp_state_dict_helpers(self):
         """get_/set_model_state_dict and get_/set_optimizer_state_dict round-trip bitwise."""

@@ -40,11 +40,13 @@ class _DTensorParamViews:
     assigned later or a deep copy of one has no ``_st_info``). ``depth`` counts
     nested entries (a module calling itself) so that the views live until the
     outermost forward exits. ``cache`` holds each name's view between forwards,
-    see ``_cached_dtensor_view``.
+    see ``_cached_dtensor_view``. ``root_exit`` is set on the root once it has
+    its own always-called exit hook, see ``_exit_root_dtensor_views``.
     """
 
     specs: dict[str, DTensorSpec]
     depth: int = 0
+    root_exit: bool = False
     cache: dict[str, tuple[nn.Parameter, int, DTensor]] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -150,6 +152,21 @@ def _exit_dtensor_views(module: nn.Module, *_: Any) -> None:
         return
     for name in views.specs:
         module.__dict__.pop(name, None)
+
+
+def _exit_root_dtensor_views(module: nn.Module, *_: Any) -> None:
+    """
+    Forward hook of the root (also on exceptions): show its local parameters
+    again.
+
+    NOTE: The root's views are entered by ``_reconstruct_dtensor`` and were
+    ended by ``_localize_dtensor`` as a forward hook, which ``replicate``
+    registers without ``always_call``: a forward that raised left ``depth`` at
+    1 and the views in the root's ``__dict__``, so every later forward reused
+    them unchecked, and after ``p.data = ...`` or a load with ``assign=True``
+    computed with the old data, silently. This hook ends them instead, always.
+    """
+    _exit_dtensor_views(module)
 
 
 def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
@@ -500,7 +517,9 @@ def _localize_dtensor(
     forward hook: called with a forward's ``(input, output)``, it ends them.
     """
     if _:
-        _exit_dtensor_views(module)
+        views = module.__dict__.get(_VIEWS_ATTR)
+        if views is None or not views.root_exit:
+            _exit_dtensor_views(module)
         return
     if ignored_params is None:
         ignored_params = set()
@@ -527,6 +546,10 @@ def _localize_dtensor(
         owners.setdefault(parent_module, {})[module_path] = t._st_info  # type: ignore[attr-defined]
     for owner, specs in owners.items():
         _register_dtensor_views(owner, specs, forward_hooks=owner is not module)
+    root_views = module.__dict__.get(_VIEWS_ATTR)
+    if root_views is not None and not root_views.root_exit:
+        root_views.root_exit = True
+        module.register_forward_hook(_exit_root_dtensor_views, always_call=True)
     # After the views' load hooks, which turn DTensors into local tensors.
     _keep_params_on_assign(module, ignored_params)
 
