@@ -8,6 +8,13 @@ upstream path is in. The lists differ between releases; each is built by a ``get
 ``torch._dynamo.trace_rules`` that caches a set of path prefixes, so every such set is found by name, and
 adding to it is how a path joins a list without reimplementing dynamo's rules. Fork mode and the upstream
 series need none of this: their files are in place.
+
+NOTE: ``init_process_group`` calls ``trace_rules.clear_lru_cache()``, which rebuilds some of these sets
+(MOD_INLINELIST among them) but not MOD_SKIPLIST. Without registering again after it, an overlay file stayed
+in MOD_SKIPLIST only: dynamo skipped it where it inlines the upstream file, so e.g. the TP + DDP forward hooks
+ran eagerly between graph breaks and training failed in backward on torch 2.14+ ("A view was created in
+no_grad mode ...") whenever ``torch._dynamo`` was imported before ``init_process_group``. So ``register``
+wraps ``clear_lru_cache`` to register again after it.
 """
 
 from __future__ import annotations
@@ -42,15 +49,32 @@ def upstream_and_overlay_paths() -> list[tuple[str, str]]:
     ]
 
 
-def register(trace_rules: types.ModuleType) -> None:
-    """Put each overlay file in the path lists its upstream file is in."""
+def _add_overlay_paths(trace_rules: types.ModuleType) -> None:
     for rule_set in path_lists(trace_rules).values():
         for upstream, overlay in upstream_and_overlay_paths():
             if any(upstream.startswith(prefix) for prefix in rule_set):
                 rule_set.add(overlay)
 
 
+def register(trace_rules: types.ModuleType) -> None:
+    """Put each overlay file in the path lists its upstream file is in, also after ``clear_lru_cache()``."""
+    _add_overlay_paths(trace_rules)
+    clear = getattr(trace_rules, "clear_lru_cache", None)
+    if clear is None or getattr(clear, "_overlay_original", None) is not None:
+        return
+
+    def clear_lru_cache_then_register() -> None:
+        clear()
+        _add_overlay_paths(trace_rules)
+
+    clear_lru_cache_then_register._overlay_original = clear  # type: ignore[attr-defined]
+    trace_rules.clear_lru_cache = clear_lru_cache_then_register  # type: ignore[attr-defined]
+
+
 def unregister(trace_rules: types.ModuleType) -> None:
+    original = getattr(getattr(trace_rules, "clear_lru_cache", None), "_overlay_original", None)
+    if original is not None:
+        trace_rules.clear_lru_cache = original  # type: ignore[attr-defined]
     overlays = {overlay for _, overlay in upstream_and_overlay_paths()}
     for rule_set in path_lists(trace_rules).values():
         rule_set -= overlays

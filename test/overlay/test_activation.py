@@ -232,8 +232,13 @@ class ActivationTest(unittest.TestCase):
                 "upstream_answers": answers(trace_rules, upstream),
                 "imported_after": differences(trace_rules),
             }
+            # init_process_group calls it: it rebuilds MOD_INLINELIST but not MOD_SKIPLIST.
+            trace_rules.clear_lru_cache()
+            report["after_clear_lru_cache"] = differences(trace_rules)
             torch_overlay.deactivate()
             report["unregistered"] = differences(trace_rules) != []
+            trace_rules.clear_lru_cache()
+            report["clear_restored"] = not hasattr(trace_rules.clear_lru_cache, "_overlay_original")
             torch_overlay.activate()  # trace_rules imported before activation
             report["imported_before"] = differences(trace_rules)
             print(json.dumps(report))
@@ -241,6 +246,8 @@ class ActivationTest(unittest.TestCase):
         )
         self.assertEqual(report["imported_after"], [])
         self.assertEqual(report["imported_before"], [])
+        self.assertEqual(report["after_clear_lru_cache"], [])
+        self.assertTrue(report["clear_restored"], "deactivate() leaves trace_rules.clear_lru_cache wrapped")
         self.assertTrue(report["unregistered"], "without the overlay's registration, dynamo treats our files apart")
         self.assertIn("check_file", report["predicates"])
         self.assertIn("is_torch_inline_allowed", report["predicates"])

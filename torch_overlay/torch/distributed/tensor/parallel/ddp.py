@@ -40,11 +40,13 @@ class _DTensorParamViews:
     assigned later or a deep copy of one has no ``_st_info``). ``depth`` counts
     nested entries (a module calling itself) so that the views live until the
     outermost forward exits. ``cache`` holds each name's view between forwards,
-    see ``_cached_dtensor_view``.
+    see ``_cached_dtensor_view``. ``root_exit`` is set on the root once it has
+    its own always-called exit hook, see ``_exit_root_dtensor_views``.
     """
 
     specs: dict[str, DTensorSpec]
     depth: int = 0
+    root_exit: bool = False
     cache: dict[str, tuple[nn.Parameter, int, DTensor]] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -152,6 +154,21 @@ def _exit_dtensor_views(module: nn.Module, *_: Any) -> None:
         module.__dict__.pop(name, None)
 
 
+def _exit_root_dtensor_views(module: nn.Module, *_: Any) -> None:
+    """
+    Forward hook of the root (also on exceptions): show its local parameters
+    again.
+
+    NOTE: The root's views are entered by ``_reconstruct_dtensor`` and were
+    ended by ``_localize_dtensor`` as a forward hook, which ``replicate``
+    registers without ``always_call``: a forward that raised left ``depth`` at
+    1 and the views in the root's ``__dict__``, so every later forward reused
+    them unchecked, and after ``p.data = ...`` or a load with ``assign=True``
+    computed with the old data, silently. This hook ends them instead, always.
+    """
+    _exit_dtensor_views(module)
+
+
 def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
     """
     Save the localized parameters as DTensors with their global shape, as
@@ -170,8 +187,12 @@ def _to_local_shard(value: Any, spec: DTensorSpec, local_shape: torch.Size) -> A
     The local shard of ``value`` for a localized parameter of global ``spec``:
     a DTensor is redistributed to the parameter's placements; a plain tensor of
     the global shape (a full state dict, as for TP alone) is sliced, without
-    communication, as every rank holds all of it. Anything else is returned as
-    is (a local shard, or a tensor that ``load_state_dict`` reports).
+    communication, as every rank holds all of it, and copied: a slice would
+    keep the whole full tensor alive in the parameter or optimizer state it
+    becomes (``assign=True``, ``Optimizer.load_state_dict``), non-contiguous,
+    and the optimizer's steps would write into the caller's full tensors.
+    Anything else is returned as is (a local shard, or a tensor that
+    ``load_state_dict`` reports).
     """
     if isinstance(value, DTensor):
         if value.placements != spec.placements:
@@ -185,7 +206,8 @@ def _to_local_shard(value: Any, spec: DTensorSpec, local_shape: torch.Size) -> A
         shape, offset = compute_local_shape_and_global_offset(
             spec.shape, spec.mesh, spec.placements
         )
-        return value[tuple(slice(o, o + n) for n, o in zip(shape, offset))]
+        local = value[tuple(slice(o, o + n) for n, o in zip(shape, offset))]
+        return local.clone(memory_format=torch.contiguous_format)
     return value
 
 
@@ -236,16 +258,16 @@ _LOCALIZED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _optimizer_hook_handle = None
 
 
-def _local_state(value: Any, spec: DTensorSpec) -> Any:
+def _local_state(value: Any, local: nn.Parameter) -> Any:
     """
-    The local shard of an optimizer state tensor of a replaced DTensor
-    parameter (e.g. Adam's ``exp_avg``), laid out like the local parameter.
+    The local shard of an optimizer state tensor of the localized parameter
+    ``local`` (e.g. Adam's ``exp_avg``): a DTensor or a full tensor of the
+    global shape becomes a tensor laid out like ``local``; a 0-dim tensor
+    (``step``) or anything else is kept.
     """
-    if not isinstance(value, DTensor):
-        return value
-    if value.placements != spec.placements:
-        value = value.redistribute(spec.mesh, spec.placements)
-    return value.to_local()
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return _to_local_shard(value, local._st_info, local.shape)
+    return value
 
 
 def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
@@ -265,8 +287,7 @@ def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
             state = optimizer.state.pop(param, None)
             if state is not None:
                 optimizer.state[local] = {
-                    key: _local_state(value, local._st_info)
-                    for key, value in state.items()
+                    key: _local_state(value, local) for key, value in state.items()
                 }
 
 
@@ -278,7 +299,10 @@ def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
 # hooks are registered on each optimizer that holds localized parameters at
 # its first step, which ``get_optimizer_state_dict`` also runs to create the
 # state. The number of parameters it had then is kept (negated once the hooks
-# are registered), to look again only when parameters are added.
+# are registered), to look again only when parameters are added. A state dict
+# loaded before that first step (the usual resume: build the optimizer, load,
+# train) went in without the load hook, so its states of localized parameters
+# are converted to local shards then, as the hook would have done.
 _OPTIMIZER_PARAM_COUNTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -343,6 +367,13 @@ def _register_optimizer_hooks(optimizer: Optimizer) -> None:
         _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
         optimizer.register_state_dict_post_hook(_optimizer_state_dict_post_hook)
         optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if state and hasattr(param, "_st_info"):
+                    optimizer.state[param] = {
+                        key: _local_state(value, param) for key, value in state.items()
+                    }
 
 
 def _optimizer_step_pre_hook(optimizer: Optimizer, *_: Any) -> None:
@@ -486,7 +517,9 @@ def _localize_dtensor(
     forward hook: called with a forward's ``(input, output)``, it ends them.
     """
     if _:
-        _exit_dtensor_views(module)
+        views = module.__dict__.get(_VIEWS_ATTR)
+        if views is None or not views.root_exit:
+            _exit_dtensor_views(module)
         return
     if ignored_params is None:
         ignored_params = set()
@@ -513,6 +546,10 @@ def _localize_dtensor(
         owners.setdefault(parent_module, {})[module_path] = t._st_info  # type: ignore[attr-defined]
     for owner, specs in owners.items():
         _register_dtensor_views(owner, specs, forward_hooks=owner is not module)
+    root_views = module.__dict__.get(_VIEWS_ATTR)
+    if root_views is not None and not root_views.root_exit:
+        root_views.root_exit = True
+        module.register_forward_hook(_exit_root_dtensor_views, always_call=True)
     # After the views' load hooks, which turn DTensors into local tensors.
     _keep_params_on_assign(module, ignored_params)
 
