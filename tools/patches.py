@@ -62,7 +62,7 @@ def read_upstream_edit(project: Project, path: str) -> UpstreamEdit:
     if not match or not diff.startswith(f"diff --git a/{path} b/{path}\n"):
         raise PatchError(
             f"{file}: expected a first line 'Upstream-Base: pytorch/pytorch@<commit>' and then "
-            f"'diff --git a/{path} b/{path}' (see CONTEXT.md / README, 'Patches')"
+            f"'diff --git a/{path} b/{path}' (see README, 'Patches')"
         )
     return UpstreamEdit(path, match.group(1), diff)
 
