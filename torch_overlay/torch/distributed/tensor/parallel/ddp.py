@@ -40,13 +40,11 @@ class _DTensorParamViews:
     assigned later or a deep copy of one has no ``_st_info``). ``depth`` counts
     nested entries (a module calling itself) so that the views live until the
     outermost forward exits. ``cache`` holds each name's view between forwards,
-    see ``_cached_dtensor_view``. ``root_exit`` is set on the root once it has
-    its own always-called exit hook, see ``_exit_root_dtensor_views``.
+    see ``_cached_dtensor_view``.
     """
 
     specs: dict[str, DTensorSpec]
     depth: int = 0
-    root_exit: bool = False
     cache: dict[str, tuple[nn.Parameter, int, DTensor]] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -154,21 +152,6 @@ def _exit_dtensor_views(module: nn.Module, *_: Any) -> None:
         module.__dict__.pop(name, None)
 
 
-def _exit_root_dtensor_views(module: nn.Module, *_: Any) -> None:
-    """
-    Forward hook of the root (also on exceptions): show its local parameters
-    again.
-
-    NOTE: The root's views are entered by ``_reconstruct_dtensor`` and were
-    ended by ``_localize_dtensor`` as a forward hook, which ``replicate``
-    registers without ``always_call``: a forward that raised left ``depth`` at
-    1 and the views in the root's ``__dict__``, so every later forward reused
-    them unchecked, and after ``p.data = ...`` or a load with ``assign=True``
-    computed with the old data, silently. This hook ends them instead, always.
-    """
-    _exit_dtensor_views(module)
-
-
 def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
     """
     Save the localized parameters as DTensors with their global shape, as
@@ -227,20 +210,26 @@ def _dtensor_load_state_dict_pre_hook(module: nn.Module, state_dict, prefix, *_:
 
 
 def _register_dtensor_views(
-    module: nn.Module, specs: dict[str, DTensorSpec], *, forward_hooks: bool
+    module: nn.Module, specs: dict[str, DTensorSpec], *, enter_hook: bool
 ) -> None:
     """
     Record which parameters of ``module`` are localized DTensors and register
-    the module's hooks, once.
+    the module's hooks, once. The root's views are entered by
+    ``_reconstruct_dtensor`` (``enter_hook=False``) but, like every owner's,
+    ended by an always-called forward hook: ``replicate`` registers the root's
+    other exit hook, ``_localize_dtensor``, without ``always_call``, so a
+    forward that raised would leave its views in place, and later forwards
+    would reuse them unchecked (after ``p.data = ...`` or a load with
+    ``assign=True``, with the old data, silently).
     """
     views = module.__dict__.get(_VIEWS_ATTR)
     if views is not None:
         views.specs.update(specs)
         return
     module.__dict__[_VIEWS_ATTR] = _DTensorParamViews(specs)
-    if forward_hooks:
+    if enter_hook:
         module.register_forward_pre_hook(_enter_dtensor_views)
-        module.register_forward_hook(_exit_dtensor_views, always_call=True)
+    module.register_forward_hook(_exit_dtensor_views, always_call=True)
     module.register_state_dict_post_hook(_dtensor_state_dict_hook)
     module.register_load_state_dict_pre_hook(_dtensor_load_state_dict_pre_hook)
 
@@ -298,12 +287,13 @@ def _use_localized_params(optimizer: Optimizer, *_: Any) -> None:
 # takes them back, or full tensors of the global shape, as local shards. The
 # hooks are registered on each optimizer that holds localized parameters at
 # its first step, which ``get_optimizer_state_dict`` also runs to create the
-# state. The number of parameters it had then is kept (negated once the hooks
-# are registered), to look again only when parameters are added. A state dict
+# state. An optimizer without them keeps the number of parameters it had then,
+# to look again only when parameters are added. A state dict
 # loaded before that first step (the usual resume: build the optimizer, load,
 # train) went in without the load hook, so its states of localized parameters
 # are converted to local shards then, as the hook would have done.
 _OPTIMIZER_PARAM_COUNTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_OPTIMIZERS_WITH_HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _optimizer_params_by_index(optimizer: Optimizer, state_dict) -> dict[Any, Any]:
@@ -342,29 +332,21 @@ def _optimizer_load_state_dict_pre_hook(optimizer: Optimizer, state_dict) -> Any
     new_state = {}
     for index, state in state_dict["state"].items():
         param = params.get(index)
-        spec = getattr(param, "_st_info", None)
-        if spec is not None and isinstance(state, dict):
-            state = {
-                key: _to_local_shard(value, spec, param.shape)
-                if isinstance(value, torch.Tensor) and value.dim() > 0
-                else value
-                for key, value in state.items()
-            }
+        if hasattr(param, "_st_info") and isinstance(state, dict):
+            state = {key: _local_state(value, param) for key, value in state.items()}
         new_state[index] = state
     return {**state_dict, "state": new_state}
 
 
 def _register_optimizer_hooks(optimizer: Optimizer) -> None:
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    seen = _OPTIMIZER_PARAM_COUNTS.get(optimizer)
-    if seen is not None and abs(seen) == count:
+    if optimizer in _OPTIMIZERS_WITH_HOOKS:
         return
-    if seen is not None and seen < 0:
-        _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _OPTIMIZER_PARAM_COUNTS.get(optimizer) == count:
         return
     _OPTIMIZER_PARAM_COUNTS[optimizer] = count
     if any(hasattr(p, "_st_info") for g in optimizer.param_groups for p in g["params"]):
-        _OPTIMIZER_PARAM_COUNTS[optimizer] = -count
+        _OPTIMIZERS_WITH_HOOKS[optimizer] = True
         optimizer.register_state_dict_post_hook(_optimizer_state_dict_post_hook)
         optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
         for group in optimizer.param_groups:
@@ -513,13 +495,13 @@ def _localize_dtensor(
     by all owners of a tied parameter) with the same ``requires_grad``. Each
     submodule that owns such parameters gets forward hooks that show them as
     DTensors during its forward. The root's own parameters get them from
-    ``_reconstruct_dtensor`` and from this function registered as the root's
-    forward hook: called with a forward's ``(input, output)``, it ends them.
+    ``_reconstruct_dtensor`` and lose them in the root's always-called exit
+    hook (see ``_register_dtensor_views``); registered as the root's forward
+    hook, this function does nothing.
     """
     if _:
-        views = module.__dict__.get(_VIEWS_ATTR)
-        if views is None or not views.root_exit:
-            _exit_dtensor_views(module)
+        # As the root's forward hook (registered by DDP and ``replicate``):
+        # nothing, the root's views end in its always-called exit hook.
         return
     if ignored_params is None:
         ignored_params = set()
@@ -545,11 +527,7 @@ def _localize_dtensor(
     for parent_module, module_path, t in param_list:
         owners.setdefault(parent_module, {})[module_path] = t._st_info  # type: ignore[attr-defined]
     for owner, specs in owners.items():
-        _register_dtensor_views(owner, specs, forward_hooks=owner is not module)
-    root_views = module.__dict__.get(_VIEWS_ATTR)
-    if root_views is not None and not root_views.root_exit:
-        root_views.root_exit = True
-        module.register_forward_hook(_exit_root_dtensor_views, always_call=True)
+        _register_dtensor_views(owner, specs, enter_hook=owner is not module)
     # After the views' load hooks, which turn DTensors into local tensors.
     _keep_params_on_assign(module, ignored_params)
 
