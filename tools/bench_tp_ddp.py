@@ -259,44 +259,46 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'stock: root hooks, after the first forward':<50}{stock_hooks * 1e3:>9.3f}{stock_hooks / floor:>9.2f}")
     print(f"{'overlay: root + owners hooks (cached views)':<50}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
 
-    overlay = _slowest_median(steps, "overlay")
     print(
         f"\n2. training step, {args.blocks}-block TP MLP (dim {args.dim}, hidden {args.hidden}, batch {args.batch}),"
         f" median of {args.repeats} x {args.step_iters} steps"
     )
-    print(f"{'':<44}{'ms/step':>9}{'overlay/x':>11}")
     names = {
         "overlay": "(a) overlay DDP(device_mesh=dp)",
         "stock": "(b) stock DDP(device_mesh=dp)",
         "fsdp2": "(c) FSDP2 fully_shard(mesh=dp) over TP",
     }
-    for key, name in names.items():
-        t = _slowest_median(steps, key)
-        print(f"{name:<44}{t * 1e3:>9.2f}{overlay / t:>11.3f}")
-    paired = [o / s for o, s in zip(_slowest(steps, "overlay"), _slowest(steps, "stock"), strict=True)]
-    print(
-        f"overlay/stock per repeat (paired): median {statistics.median(paired):.3f}, "
-        f"range {min(paired):.3f} .. {max(paired):.3f}"
-    )
+    _print_steps(steps, names, "overlay", "overlay/x")
+    _print_paired(steps, "overlay", "stock", "overlay/stock")
     if "overlay_compiled" in steps[0]:
-        compiled = _slowest_median(steps, "overlay_compiled")
         print("\n3. compiled training step (torch.compile, default backend), same model")
-        print(f"{'':<44}{'ms/step':>9}{'compiled/x':>11}")
         names = {
             "overlay_compiled": "(d) compiled overlay DDP(device_mesh=dp)",
             "overlay": "(a) eager overlay DDP(device_mesh=dp)",
             "fsdp2_compiled": "(e) compiled FSDP2 over TP",
         }
-        for key, name in names.items():
-            t = _slowest_median(steps, key)
-            print(f"{name:<44}{t * 1e3:>9.2f}{compiled / t:>11.3f}")
+        _print_steps(steps, names, "overlay_compiled", "compiled/x")
         for other in ("overlay", "fsdp2_compiled"):
-            paired = [c / o for c, o in zip(_slowest(steps, "overlay_compiled"), _slowest(steps, other), strict=True)]
-            print(
-                f"(d)/{names[other][:3]} per repeat (paired): median {statistics.median(paired):.3f}, "
-                f"range {min(paired):.3f} .. {max(paired):.3f}"
-            )
+            _print_paired(steps, "overlay_compiled", other, f"(d)/{names[other][:3]}")
     return 0
+
+
+def _print_steps(steps, names: dict[str, str], base: str, column: str) -> None:
+    """Each configuration's step time, and ``base``'s time over it."""
+    base_time = _slowest_median(steps, base)
+    print(f"{'':<44}{'ms/step':>9}{column:>11}")
+    for key, name in names.items():
+        t = _slowest_median(steps, key)
+        print(f"{name:<44}{t * 1e3:>9.2f}{base_time / t:>11.3f}")
+
+
+def _print_paired(steps, key: str, other: str, label: str) -> None:
+    """``key``'s step time over ``other``'s, paired per repeat (slowest rank of each)."""
+    paired = [k / o for k, o in zip(_slowest(steps, key), _slowest(steps, other), strict=True)]
+    print(
+        f"{label} per repeat (paired): median {statistics.median(paired):.3f}, "
+        f"range {min(paired):.3f} .. {max(paired):.3f}"
+    )
 
 
 if __name__ == "__main__":
