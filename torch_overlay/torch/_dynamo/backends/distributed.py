@@ -86,19 +86,19 @@ def bucket_has_external_output(bucket: Bucket) -> bool:
 def _is_split_boundary_value(value: Any) -> bool:
     """
     Whether ``value`` can pass from one split graph to the next: plain tensors,
-    symbolic and constant values can; a tensor subclass (e.g. a DTensor) or an
-    opaque object (e.g. a DeviceMesh) cannot, as AOT autograd compiles each split
-    graph on its own and fails on them as outputs of one graph and inputs of the
-    next ("expected all tensors_saved_with_vc_check to be Tensors", "got mixed
+    symbolic values and Python constants can; a tensor subclass (e.g. a DTensor)
+    or an opaque object (e.g. a DeviceMesh) cannot, as AOT autograd compiles each
+    split graph on its own and fails on them as outputs of one graph and inputs of
+    the next ("expected all tensors_saved_with_vc_check to be Tensors", "got mixed
     torch.Tensor and DTensor").
     """
     from torch._library.fake_class_registry import FakeScriptObject
-    from torch._library.opaque_object import is_opaque_type
+    from torch._library.opaque_object import get_opaque_obj_info
 
     return not any(
         is_traceable_wrapper_subclass(v)
         or isinstance(v, (torch.ScriptObject, FakeScriptObject))
-        or is_opaque_type(type(v))
+        or get_opaque_obj_info(type(v)) is not None
         for v in torch.utils._pytree.tree_leaves(value)
     )
 
