@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -58,9 +59,11 @@ class Block(nn.Module):
 
 
 class MLP(nn.Module):
+    block = Block
+
     def __init__(self, blocks: int, dim: int, hidden: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+        self.blocks = nn.ModuleList(self.block(dim, hidden) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -68,11 +71,26 @@ class MLP(nn.Module):
         return x
 
 
-def _tp_model(mesh, blocks: int, dim: int, hidden: int) -> MLP:
+def _own_code(cls: type[nn.Module], **attrs: object) -> type[nn.Module]:
+    """A subclass of ``cls`` whose ``forward`` runs a copy of ``cls.forward``'s code object.
+
+    Dynamo keeps its compiled graphs, its recompile count and its decision to skip a function (run it eagerly
+    from then on) per code object. Two compiled models of the same classes in one process share them: compiling
+    FSDP2 over the MLP graph-breaks in ``MLP.forward``, dynamo skips that function, and the compiled DDP model,
+    whose ``MLP.forward`` was already compiled whole, then runs it eagerly and compiles each block on its own
+    (in the timed steps). With its own code the compiled FSDP2 model leaves the other as it would be alone.
+    """
+    forward = cls.forward
+    code = forward.__code__.replace()  # an equal, distinct code object
+    copy = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
+    return type(cls.__name__, (cls,), {"forward": copy, **attrs})
+
+
+def _tp_model(mesh, blocks: int, dim: int, hidden: int, cls: type[MLP] = MLP) -> MLP:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    model = MLP(blocks, dim, hidden)
+    model = cls(blocks, dim, hidden)
     plan = {}
     for i in range(blocks):
         plan[f"blocks.{i}.w1"] = ColwiseParallel()
@@ -205,7 +223,7 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
         # The same models, compiled with the default backend (inductor) and settings, as a user would: DDP's
         # graph splitting (optimize_ddp) on for the DDP model (FSDP2 does not use it). Compiled in the warm-up.
         overlay_compiled = _tp_model(mesh, blocks, dim, hidden)
-        fsdp_compiled = _tp_model(mesh, blocks, dim, hidden)
+        fsdp_compiled = _tp_model(mesh, blocks, dim, hidden, _own_code(MLP, block=_own_code(Block)))
         for block in fsdp_compiled.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(fsdp_compiled, mesh=mesh["dp"])
