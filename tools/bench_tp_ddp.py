@@ -13,6 +13,11 @@
    not overlaid). Each repeat times the three in turn, in an order rotated from repeat to repeat, so load on
    the machine and order effects hit all of them alike; overlay/stock is also given per repeat (paired), as
    the median and the range of those ratios.
+3. Compiled training step (``torch.compile``, default backend and settings, so with DDP's graph splitting,
+   ``optimize_ddp``): (d) compiled overlay DDP, (a) eager overlay DDP, (e) compiled FSDP2 over the same TP
+   model, timed in turn as in 2. Every configuration warms up until a whole step compiles no new graph (on
+   every rank); the output says how many graphs each compiled one took, and warns where anything compiled
+   during the timed repeats (those times then include compilation).
 
 Each rank builds the stock model with the overlay deactivated and the others with it activated
 (``torch_overlay.deactivate()`` / ``activate()`` before building), so both run in the same processes. Times are,
@@ -26,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -36,6 +42,10 @@ import torch.nn.functional as F
 from tools.ranks import run_ranks, slowest
 
 WORLD_SIZE = 4
+# Warm-up steps per configuration: at least the first (stock swaps its parameters on its first forward only;
+# DDP rebuilds its buckets after the first step, and the compiled configurations compile once more when it
+# does), then until a whole step compiles no new graph, at most the second.
+MIN_WARM_UP, MAX_WARM_UP = 3, 20
 
 
 class Block(nn.Module):
@@ -49,9 +59,11 @@ class Block(nn.Module):
 
 
 class MLP(nn.Module):
+    block = Block
+
     def __init__(self, blocks: int, dim: int, hidden: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+        self.blocks = nn.ModuleList(self.block(dim, hidden) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -59,11 +71,26 @@ class MLP(nn.Module):
         return x
 
 
-def _tp_model(mesh, blocks: int, dim: int, hidden: int) -> MLP:
+def _own_code(cls: type[nn.Module], **attrs: object) -> type[nn.Module]:
+    """A subclass of ``cls`` whose ``forward`` runs a copy of ``cls.forward``'s code object.
+
+    Dynamo keeps its compiled graphs, its recompile count and its decision to skip a function (run it eagerly
+    from then on) per code object. Two compiled models of the same classes in one process share them: compiling
+    FSDP2 over the MLP graph-breaks in ``MLP.forward``, dynamo skips that function, and the compiled DDP model,
+    whose ``MLP.forward`` was already compiled whole, then runs it eagerly and compiles each block on its own
+    (in the timed steps). With its own code the compiled FSDP2 model leaves the other as it would be alone.
+    """
+    forward = cls.forward
+    code = forward.__code__.replace()  # an equal, distinct code object
+    copy = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
+    return type(cls.__name__, (cls,), {"forward": copy, **attrs})
+
+
+def _tp_model(mesh, blocks: int, dim: int, hidden: int, cls: type[MLP] = MLP) -> MLP:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    model = MLP(blocks, dim, hidden)
+    model = cls(blocks, dim, hidden)
     plan = {}
     for i in range(blocks):
         plan[f"blocks.{i}.w1"] = ColwiseParallel()
@@ -79,6 +106,38 @@ def _timed(fn: Callable[[], object], iters: int) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - start) / iters
+
+
+def _compiled_graphs() -> tuple[int, int]:
+    """Graphs compiled so far in this process: dynamo's (one per captured frame, recompiles included) and AOT
+    autograd's (one per graph handed to the backend; with DDP's graph splitting, one per split graph)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (a collective: every rank must call it)."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _warm_up(step: Callable[[], None]) -> tuple[int, tuple[int, int], bool]:
+    """Run ``step`` until a whole step compiles no new graph on any rank (at least ``MIN_WARM_UP`` steps, at most
+    ``MAX_WARM_UP``); the ranks decide together, so that they all run the same steps.
+
+    Returns the steps run, the graphs (dynamo, AOT) they compiled, and whether the last step compiled none.
+    """
+    start = _compiled_graphs()
+    for steps in range(1, MAX_WARM_UP + 1):
+        before = _compiled_graphs()
+        step()
+        compiled = _any_rank(_compiled_graphs() != before)
+        if steps >= MIN_WARM_UP and not compiled:
+            break
+    end = _compiled_graphs()
+    return steps, (end[0] - start[0], end[1] - start[1]), not compiled
 
 
 def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list[float]]:
@@ -161,12 +220,10 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
         ("fsdp2", fsdp, fsdp.parameters()),
     ]
     if compiled:
-        # The same models, compiled with the default backend (inductor); compiled in the warm-up steps. DDP's
-        # graph splitting (optimize_ddp) fails on TP models whose parameters span several buckets (README,
-        # "Limitations"), so it is off; FSDP2 does not use it.
-        torch._dynamo.config.optimize_ddp = False
+        # The same models, compiled with the default backend (inductor) and settings, as a user would: DDP's
+        # graph splitting (optimize_ddp) on for the DDP model (FSDP2 does not use it). Compiled in the warm-up.
         overlay_compiled = _tp_model(mesh, blocks, dim, hidden)
-        fsdp_compiled = _tp_model(mesh, blocks, dim, hidden)
+        fsdp_compiled = _tp_model(mesh, blocks, dim, hidden, _own_code(MLP, block=_own_code(Block)))
         for block in fsdp_compiled.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(fsdp_compiled, mesh=mesh["dp"])
@@ -188,18 +245,23 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
 
         runs[key] = step
     figures: dict[str, list[float]] = {key: [] for key in runs}
-    # Warm-up: stock swaps its parameters on the first forward only; DDP rebuilds its buckets after the first
-    # step, and the compiled configurations compile once more when it does.
-    for step in runs.values():
-        for _ in range(3):
-            step()
+    # Per configuration: warm-up steps, graphs (dynamo, AOT) compiled in them, whether the warm-up settled, and
+    # graphs compiled during the timed repeats (none, unless the warm-up did not settle or something recompiles).
+    compiles: dict[str, dict[str, object]] = {}
+    for key, step in runs.items():
+        steps, graphs, settled = _warm_up(step)
+        compiles[key] = {"warm_up": steps, "graphs": graphs, "settled": settled, "in_repeats": (0, 0)}
     keys = list(runs)
     for repeat in range(repeats):
         # Rotate the order so that no configuration always runs first (or right after another).
         shift = repeat % len(keys)
         for key in keys[shift:] + keys[:shift]:
+            before = _compiled_graphs()
             figures[key].append(_timed(runs[key], iters))
-    return figures
+            after = _compiled_graphs()
+            seen = compiles[key]["in_repeats"]
+            compiles[key]["in_repeats"] = (seen[0] + after[0] - before[0], seen[1] + after[1] - before[1])
+    return figures, compiles
 
 
 def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
@@ -212,10 +274,10 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch_overlay.activate()
     hooks = _hook_figures(mesh, args.params, args.hook_iters, args.repeats)
-    steps = _step_figures(
+    steps, compiles = _step_figures(
         mesh, args.blocks, args.dim, args.hidden, args.batch, args.step_iters, args.repeats, not args.no_compile
     )
-    queue.put((rank, hooks, steps))
+    queue.put((rank, hooks, steps, compiles))
     dist.destroy_process_group()
 
 
@@ -246,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     gathered = run_ranks(_worker, WORLD_SIZE, args)
     if gathered is None:
         return 1
-    hooks = {rank: h for rank, h, _ in gathered}
-    steps = {rank: s for rank, _, s in gathered}
+    hooks = {rank: h for rank, h, _, _ in gathered}
+    steps = {rank: s for rank, _, s, _ in gathered}
+    compiles = {rank: c for rank, _, _, c in gathered}
 
     floor = _slowest_median(hooks, "floor")
     swap = _slowest_median(hooks, "hooks")
@@ -270,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     _print_steps(steps, names, "overlay", "overlay/x")
     _print_paired(steps, "overlay", "stock", "overlay/stock")
+    _print_compile_warnings(compiles, names)
     if "overlay_compiled" in steps[0]:
-        print("\n3. compiled training step (torch.compile, default backend), same model")
+        print(
+            "\n3. compiled training step (torch.compile, default backend, DDP graph splitting "
+            f"{'on' if torch._dynamo.config.optimize_ddp else 'OFF'}), same model"
+        )
         names = {
             "overlay_compiled": "(d) compiled overlay DDP(device_mesh=dp)",
             "overlay": "(a) eager overlay DDP(device_mesh=dp)",
@@ -280,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_steps(steps, names, "overlay_compiled", "compiled/x")
         for other in ("overlay", "fsdp2_compiled"):
             _print_paired(steps, "overlay_compiled", other, f"(d)/{names[other][:3]}")
+        compiled = {key: names[key] for key in ("overlay_compiled", "fsdp2_compiled")}
+        _print_compiles(compiles, compiled)
+        _print_compile_warnings(compiles, compiled)
     return 0
 
 
@@ -299,6 +369,30 @@ def _print_paired(steps, key: str, other: str, label: str) -> None:
         f"{label} per repeat (paired): median {statistics.median(paired):.3f}, "
         f"range {min(paired):.3f} .. {max(paired):.3f}"
     )
+
+
+def _print_compiles(compiles, names: dict[str, str]) -> None:
+    """Each compiled configuration's warm-up: steps, and graphs compiled (most of any rank)."""
+    for key, name in names.items():
+        steps = max(c[key]["warm_up"] for c in compiles.values())
+        dynamo = max(c[key]["graphs"][0] for c in compiles.values())
+        aot = max(c[key]["graphs"][1] for c in compiles.values())
+        print(f"{name[:3]} warm-up: {steps} steps, compiled {dynamo} dynamo graphs, {aot} AOT autograd graphs")
+
+
+def _print_compile_warnings(compiles, names: dict[str, str]) -> None:
+    """A warning for each configuration whose warm-up did not settle, or that compiled during the timed repeats
+    (its step time then includes compilation)."""
+    for key, name in names.items():
+        if not all(c[key]["settled"] for c in compiles.values()):
+            print(f"WARNING: {name}: still compiling after {MAX_WARM_UP} warm-up steps")
+        dynamo = max(c[key]["in_repeats"][0] for c in compiles.values())
+        aot = max(c[key]["in_repeats"][1] for c in compiles.values())
+        if dynamo or aot:
+            print(
+                f"WARNING: {name}: compiled during the timed repeats ({dynamo} dynamo graphs, {aot} AOT autograd"
+                " graphs on the worst rank); its time includes compilation"
+            )
 
 
 if __name__ == "__main__":
