@@ -498,14 +498,23 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
     def test_replicate(self):
         """replicate(device_mesh=mesh["dp"]) trains like DDP."""
 
-        def make(model, mesh):
-            model = replicate(model, device_mesh=mesh["dp"])
-            # replicate() localizes the TP parameters at its lazy init (the
-            # first forward); run it now so the optimizer gets them.
-            replicate.state(model).lazy_init()
-            return model
+        self._check_parity(lambda model, mesh: replicate(model, device_mesh=mesh["dp"]))
 
-        self._check_parity(make)
+    def test_replicate_localizes_when_called(self):
+        """replicate() localizes the TP parameters when called, as DDP does, not at its first forward."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        tp_names = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+        self.assertTrue(tp_names)
+        replicate(model, device_mesh=mesh["dp"])
+        params = dict(model.named_parameters())
+        for name in tp_names:
+            self.assertNotIsInstance(params[name], DTensor, name)
+        # What an optimizer built now holds is what DDP will hold after its lazy init.
+        optim = torch.optim.SGD(model.parameters(), lr=0.05)
+        replicate.state(model).lazy_init()
+        held = {id(p) for p in replicate.state(model)._ddp.module.parameters()}
+        self.assertEqual({id(p) for p in optim.param_groups[0]["params"]}, held)
 
     def test_optimizer_built_before_wrapping(self):
         """An optimizer built (and stepped) on the TP model before DDP trains the TP weights."""

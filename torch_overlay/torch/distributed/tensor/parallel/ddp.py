@@ -216,11 +216,9 @@ def _register_dtensor_views(
     Record which parameters of ``module`` are localized DTensors and register
     the module's hooks, once. The root's views are entered by
     ``_reconstruct_dtensor`` (``enter_hook=False``) but, like every owner's,
-    ended by an always-called forward hook: ``replicate`` registers the root's
-    other exit hook, ``_localize_dtensor``, without ``always_call``, so a
-    forward that raised would leave its views in place, and later forwards
-    would reuse them unchecked (after ``p.data = ...`` or a load with
-    ``assign=True``, with the old data, silently).
+    ended by an always-called forward hook: a forward that raised must not leave
+    its views in place, or later forwards would reuse them unchecked (after
+    ``p.data = ...`` or a load with ``assign=True``, with the old data, silently).
     """
     views = module.__dict__.get(_VIEWS_ATTR)
     if views is not None:
@@ -234,8 +232,8 @@ def _register_dtensor_views(
     module.register_load_state_dict_pre_hook(_dtensor_load_state_dict_pre_hook)
 
 
-# NOTE: An optimizer built on the TP model before it was wrapped (or, for
-# ``replicate``, before its first forward, where it localizes) holds the DTensor
+# NOTE: An optimizer built on the TP model before it was wrapped (by DDP or
+# ``replicate``, which localize when they are called) holds the DTensor
 # parameters that ``_localize_dtensor`` replaced by local ones. They never get a
 # gradient again, so the optimizer would skip them and the TP weights would
 # silently never train. Each replaced DTensor parameter maps to its local
@@ -496,13 +494,9 @@ def _localize_dtensor(
     submodule that owns such parameters gets forward hooks that show them as
     DTensors during its forward. The root's own parameters get them from
     ``_reconstruct_dtensor`` and lose them in the root's always-called exit
-    hook (see ``_register_dtensor_views``); registered as the root's forward
-    hook, this function does nothing.
+    hook (see ``_register_dtensor_views``). DDP and ``replicate`` call it once,
+    when they wrap the module.
     """
-    if _:
-        # As the root's forward hook (registered by DDP and ``replicate``):
-        # nothing, the root's views end in its always-called exit hook.
-        return
     if ignored_params is None:
         ignored_params = set()
     param_list = []
@@ -573,4 +567,3 @@ def _pre_dp_module_transform(module: nn.Module):
 
     _localize_dtensor(module)
     module.register_forward_pre_hook(_reconstruct_dtensor)
-    module.register_forward_hook(_localize_dtensor, always_call=True)
