@@ -101,6 +101,24 @@ def tp_plan(model: Model):
     return plan
 
 
+class ManualSGD:
+    """A minimal optimizer that is not a ``torch.optim.Optimizer``: no step hooks."""
+
+    def __init__(self, params, lr=0.05):
+        self.params = list(params)
+        self.lr = lr
+
+    @torch.no_grad()
+    def step(self):
+        for param in self.params:
+            if param.grad is not None:
+                param.add_(param.grad, alpha=-self.lr)
+
+    def zero_grad(self):
+        for param in self.params:
+            param.grad = None
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -436,6 +454,8 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         optimizer_first=False,
         before_step=None,
         tied=False,
+        early_optimizer=None,
+        after_wrapping=None,
     ):
         mesh = self.mesh()
         reference, model = self.build(mesh)
@@ -457,11 +477,17 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
                 m(x).pow(2).sum().backward()
                 o.step()
                 o.zero_grad()
+        if early_optimizer is not None:
+            # Built on the TP model (DTensor parameters) before wrapping, not stepped.
+            optim = early_optimizer(model.parameters())
+            ref_optim = early_optimizer(reference.parameters())
         ddp = make_ddp(model, mesh)
         ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
-        if not optimizer_first:
+        if not optimizer_first and early_optimizer is None:
             optim = torch.optim.SGD(model.parameters(), lr=0.05)
             ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+        if after_wrapping is not None:
+            after_wrapping(ddp, ref_ddp, optim, ref_optim)
         for step in range(steps):
             if before_step is not None:
                 before_step(step, model, reference)
@@ -479,6 +505,7 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             ref_optim.zero_grad()
         state = {name: full(value) for name, value in model.state_dict().items()}
         self.assertEqual(state, reference.state_dict())
+        return model, optim
 
     def test_training_parity(self):
         """Losses and parameters match a non-TP DDP reference over several steps."""
@@ -524,11 +551,103 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         )
 
     def test_replicate_optimizer_before_first_forward(self):
-        """replicate() with the optimizer built before its first forward (its lazy init)."""
+        """replicate() with an optimizer built (and stepped) on the TP model before it."""
         self._check_parity(
             lambda model, mesh: replicate(model, device_mesh=mesh["dp"]),
             optimizer_first=True,
         )
+
+    def test_optimizer_before_wrapping_zero_grad_after_warm_up(self):
+        """An optimizer built before DDP zeroes the TP gradients of a warm-up backward before its first step."""
+        for set_to_none in (True, False):
+
+            def warm_up(ddp, ref_ddp, optim, ref_optim, set_to_none=set_to_none):
+                torch.manual_seed(7)
+                x = torch.randn(4, DIM)
+                ddp(x).pow(2).sum().backward()
+                ref_ddp(x).pow(2).sum().backward()
+                optim.zero_grad(set_to_none=set_to_none)
+                ref_optim.zero_grad(set_to_none=set_to_none)
+                self.assert_grads_match(ddp.module, ref_ddp.module)
+
+            self._check_parity(
+                lambda model, mesh: DDP(model, device_mesh=mesh["dp"]),
+                early_optimizer=lambda params: torch.optim.AdamW(params, lr=0.05),
+                after_wrapping=warm_up,
+            )
+
+    def test_optimizer_before_wrapping_grad_scaler_and_clip(self):
+        """GradScaler.unscale_ and clip_grad_norm_ before the first step of optimizers built before DDP."""
+        mesh = self.mesh()
+        reference, model = self.build(mesh)
+        pairs = []
+        for m in (model, reference):
+            # The TP parameters in one optimizer, the plain ones in another:
+            # one foreach op over DTensor and plain gradients raises (below).
+            tp = [p for n, p in m.named_parameters() if n.startswith("blocks.")]
+            plain = [p for n, p in m.named_parameters() if not n.startswith("blocks.")]
+            optims = (torch.optim.SGD(tp, lr=0.05), torch.optim.SGD(plain, lr=0.05))
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+            pairs.append((optims, scaler))
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+        for step in range(3):
+            x = self.inputs(mesh, step)
+            for net, (optims, scaler) in zip((ddp, ref_ddp), pairs, strict=True):
+                scaler.scale(net(x).pow(2).sum()).backward()
+                for optim in optims:
+                    scaler.unscale_(optim)
+                if step == 0:
+                    # Before the first step the TP optimizer holds DTensors:
+                    # their norm is the global one, as for the reference.
+                    tp_params = optims[0].param_groups[0]["params"]
+                    norm = torch.nn.utils.clip_grad_norm_(tp_params, max_norm=0.5)
+                    self.assertGreater(full(norm).item(), 0.5)
+            self.assert_grads_match(model, reference)
+            for optims, scaler in pairs:
+                for optim in optims:
+                    scaler.step(optim)
+                    optim.zero_grad()
+                scaler.update()
+        state = {name: full(value) for name, value in model.state_dict().items()}
+        self.assertEqual(state, reference.state_dict())
+        # One clip over DTensor and plain gradients is loud (as for TP alone).
+        _, fresh = self.build(mesh)
+        early = torch.optim.SGD(fresh.parameters(), lr=0.05)
+        fresh_ddp = DDP(fresh, device_mesh=mesh["dp"])
+        fresh_ddp(self.inputs(mesh, 0)).sum().backward()
+        params = early.param_groups[0]["params"]
+        with self.assertRaisesRegex(RuntimeError, "got mixed torch.Tensor and DTensor"):
+            torch.nn.utils.clip_grad_norm_(params, max_norm=0.5)
+
+    def test_non_torch_optimizer_before_wrapping(self):
+        """An optimizer that is not a torch.optim.Optimizer, built before DDP, trains the TP weights."""
+        self._check_parity(
+            lambda model, mesh: DDP(model, device_mesh=mesh["dp"]),
+            early_optimizer=ManualSGD,
+        )
+
+    def test_non_torch_optimizer_before_wrapping_new_data(self):
+        """It follows load_state_dict(assign=True); after module.to(dtype) it raises, naming the fix."""
+        mesh = self.mesh()
+        _, other = self.build(mesh, seed=1)  # TP only: its state_dict holds DTensors
+        loaded = other.state_dict()
+        full_sd = {name: full(value).clone() for name, value in loaded.items()}
+
+        def before_step(step, model, reference):
+            if step == 1:
+                model.load_state_dict(loaded, assign=True)
+                reference.load_state_dict(full_sd)
+
+        model, optim = self._check_parity(
+            lambda model, mesh: DDP(model, device_mesh=mesh["dp"]),
+            early_optimizer=ManualSGD,
+            before_step=before_step,
+        )
+        model(self.inputs(mesh, 0)).sum().backward()
+        model.double()
+        with self.assertRaisesRegex(RuntimeError, r"is now torch\.float64 .* after DDP\(\.\.\.\)"):
+            optim.step()
 
     def test_load_state_dict_assign_after_wrapping(self):
         """load_state_dict(assign=True) after wrapping: DDP and the optimizer see the loaded values."""

@@ -1,4 +1,5 @@
 # mypy: allow-untyped-defs
+import copy
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -234,15 +235,101 @@ def _register_dtensor_views(
 
 # NOTE: An optimizer built on the TP model before it was wrapped (by DDP or
 # ``replicate``, which localize when they are called) holds the DTensor
-# parameters that ``_localize_dtensor`` replaced by local ones. They never get a
-# gradient again, so the optimizer would skip them and the TP weights would
-# silently never train. Each replaced DTensor parameter maps to its local
-# parameter here, weakly (an entry lives as long as someone, e.g. an optimizer,
-# holds the DTensor), and a global optimizer step pre-hook, registered with the
-# first replacement, puts the local parameters in place of the DTensor ones in
-# the optimizer's parameter groups and state before it steps.
+# parameters that ``_localize_dtensor`` replaced by local ones, and so may
+# anything else that took them then (a list for ``clip_grad_norm_``, an
+# optimizer that is not a ``torch.optim.Optimizer``). Nothing computes with
+# these objects again, so, left as they were, they would never get a gradient
+# and the TP weights would silently never train. Instead, each one becomes a
+# ``_ReplacedDTensorParameter``, a DTensor that stands for its local parameter:
+# its data is the local parameter's current data and its ``grad`` a DTensor view
+# of the local parameter's gradient, so that reading, zeroing, scaling or
+# clipping its gradient, and updating it in place, act on what DDP trains. A
+# ``torch.optim.Optimizer`` still computes on local tensors: a global optimizer
+# step pre-hook, registered with the first replacement, puts the local
+# parameters in place of the replaced ones in the optimizer's parameter groups
+# and state before its first step. The replaced parameters are also kept in a
+# weak map (an entry lives as long as someone, e.g. an optimizer, holds the
+# DTensor), so that this hook costs nothing once none is left, and so that it
+# also finds a parameter of a DTensor subclass, whose class is left alone (it
+# gets no gradient before that step).
 _LOCALIZED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _optimizer_hook_handle = None
+
+
+class _ReplacedDTensorParameter(DTensor):
+    """
+    A DTensor parameter that ``_localize_dtensor`` replaced by the local
+    parameter ``_dp_local_param``, for whoever still holds it: it shows that
+    parameter's data and gradient as DTensors of its global spec, see
+    ``_LOCALIZED_PARAMS``. Its ``requires_grad`` is its own: freeze or unfreeze
+    the registered (local) parameter instead. Copies and pickles are plain
+    DTensor parameters with the current data.
+    """
+
+    # The class of an existing DTensor parameter is changed to this one: no
+    # new slots, so that the layout stays the same.
+    __slots__ = ()
+
+    def _local_param(self) -> nn.Parameter:
+        local = self.__dict__["_dp_local_param"]
+        if local.dtype != self.dtype or local.device != self.device:
+            raise RuntimeError(
+                f"This DTensor parameter ({self.dtype} on {self.device}) was "
+                f"replaced by a local parameter when its model was wrapped by "
+                f"DistributedDataParallel or replicate() with a device_mesh, "
+                f"and that parameter is now {local.dtype} on "
+                f"{local.device} (module.to() or `.data = ...` after wrapping), "
+                f"which this object cannot stand for. Build the optimizer, and "
+                f"anything else that holds the model's parameters, after "
+                f"DDP(...), from model.parameters()."
+            )
+        return local
+
+    @property  # type: ignore[override]
+    def _local_tensor(self) -> torch.Tensor:
+        # NOTE: Always the local parameter's current data (which
+        # ``load_state_dict(assign=True)``, ``p.data = ...`` or ``module.to()``
+        # may have replaced), so that in-place updates of this DTensor, e.g.
+        # by an optimizer that is not a ``torch.optim.Optimizer``, update the
+        # weights DDP trains. The DTensor's own local tensor, hidden by this
+        # property, keeps the original data alive as long as this object.
+        return self._local_param().detach()
+
+    @property  # type: ignore[override]
+    def grad(self) -> DTensor | None:
+        grad = self._local_param().grad
+        return None if grad is None else _dtensor_view(grad, self._spec)
+
+    @grad.setter
+    def grad(self, grad: torch.Tensor | None) -> None:
+        local = self._local_param()
+        if isinstance(grad, DTensor):
+            grad = _to_local_shard(grad, self._spec, local.shape)
+        elif grad is not None and (
+            not isinstance(grad, torch.Tensor) or grad.shape != local.shape
+        ):
+            raise RuntimeError(
+                f"The gradient of a DTensor parameter replaced by a local "
+                f"parameter (DistributedDataParallel with a device_mesh) must be "
+                f"None, a DTensor, or a tensor of the local shape "
+                f"{tuple(local.shape)}, not {type(grad).__name__}"
+                f"{tuple(getattr(grad, 'shape', ()))}"
+            )
+        local.grad = grad
+
+    def _as_dtensor_parameter(self) -> nn.Parameter:
+        param = nn.Parameter(
+            _dtensor_view(self._local_tensor, self._spec),
+            requires_grad=self.requires_grad,
+        )
+        param.grad = self.grad
+        return param
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        return copy.deepcopy(self._as_dtensor_parameter(), memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._as_dtensor_parameter().__reduce_ex__(protocol)
 
 
 def _local_state(value: Any, local: nn.Parameter) -> Any:
@@ -366,6 +453,11 @@ def _optimizer_step_pre_hook(optimizer: Optimizer, *_: Any) -> None:
 
 def _record_localized(param: nn.Parameter, local: nn.Parameter) -> None:
     global _optimizer_hook_handle
+    if type(param) is DTensor:
+        # The local parameter shares the DTensor's local tensor (see
+        # ``_flatten_tensor``), so the data it shows is the same.
+        param.__class__ = _ReplacedDTensorParameter
+        param._dp_local_param = local  # type: ignore[attr-defined]
     _LOCALIZED_PARAMS[param] = local
     if _optimizer_hook_handle is None:
         _optimizer_hook_handle = register_optimizer_step_pre_hook(
@@ -490,7 +582,9 @@ def _localize_dtensor(
 
     Every DTensor parameter of ``module``'s tree (except ``ignored_params``) is
     replaced, in each module that owns it, by one local ``nn.Parameter`` (shared
-    by all owners of a tied parameter) with the same ``requires_grad``. Each
+    by all owners of a tied parameter) with the same ``requires_grad``, and
+    becomes a ``_ReplacedDTensorParameter`` that stands for it, for whoever
+    still holds the DTensor (see ``_LOCALIZED_PARAMS``). Each
     submodule that owns such parameters gets forward hooks that show them as
     DTensors during its forward. The root's own parameters get them from
     ``_reconstruct_dtensor`` and lose them in the root's always-called exit
