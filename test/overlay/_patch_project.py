@@ -96,8 +96,9 @@ def write(root: Path, files: dict[str, str]) -> None:
         (root / path).write_text(text)
 
 
-def manifest_text(bases: dict[str, dict[str, str]]) -> str:
-    """manifest.json for the fake modules and these bases (version -> files), oldest first."""
+def manifest_text(bases: dict[str, dict[str, str]], code_sha256: dict[str, str] | None = None) -> str:
+    """manifest.json for the fake modules and these bases (version -> files), oldest first; ``code_sha256``:
+    path -> the module's ``code_sha256``, for the modules that have one."""
     manifest = {
         "package": "torch",
         "bases": [
@@ -111,6 +112,9 @@ def manifest_text(bases: dict[str, dict[str, str]]) -> str:
             for p in BASE
         ],
     }
+    for module in manifest["modules"]:
+        if module["path"] in (code_sha256 or {}):
+            module["code_sha256"] = code_sha256[module["path"]]
     return json.dumps(manifest, indent=2) + "\n"
 
 
