@@ -5,7 +5,8 @@ package's torch requirement does not cover exactly the manifest's bases, or, for
 (``patches/series`` or ``patches/series-<version>``) does not ``git apply`` in order onto that base's
 pristine files, or gives anything but the overlay: the payload itself where the base's file is the payload's
 base file, else our change transplanted onto the base's file (a clean 3-way merge), without the backports
-the base does not need.
+the base does not need. It also fails when a module's ``code_sha256`` (the manifest's claim that every base's
+file has the same code, comments aside) is not the code digest of each base's pristine file.
 
     python -m tools.check [--wheel TORCH_WHEEL_OR_DIR ...]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tokenize
 from pathlib import Path
 
 from tools.patches import (
@@ -27,7 +29,7 @@ from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project, torch_requirement
 from tools.series import Patch, SeriesError, file_states, load_series, series_for
 from torch_overlay import _git
-from torch_overlay._manifest import Base
+from torch_overlay._manifest import Base, code_sha256
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
 
 
@@ -109,6 +111,27 @@ def base_problems(project: Project, found: Pristine, base: Base) -> list[str]:
     return problems
 
 
+def code_problems(project: Project, found: Pristine, base: Base) -> list[str]:
+    """The modules with a ``code_sha256`` whose pristine file of ``base`` has other code (not only comments)."""
+    try:
+        files = found.files(base)
+    except BaseSourceError:
+        return []  # base_problems says so
+    problems = []
+    for m in [m for m in project.manifest().modules if m.code_sha256 is not None]:
+        try:
+            digest = code_sha256(files[m.path])
+        except (SyntaxError, tokenize.TokenError) as e:
+            digest = f"none ({e!r})"
+        if digest != m.code_sha256:
+            problems.append(
+                f"torch {base.version}: {m.path}: code sha256 {digest}, but manifest.json's code_sha256 for "
+                f"{m.name} is {m.code_sha256}: every base's file must have that code (comments aside) for the one "
+                "payload to serve it (README, 'Add a torch release')"
+            )
+    return problems
+
+
 def check(project: Project, sources: list[Path] = ()) -> list[str]:
     """Every sync problem, one line each, naming the base and the file; empty when everything agrees."""
     try:
@@ -118,7 +141,7 @@ def check(project: Project, sources: list[Path] = ()) -> list[str]:
         return [str(e)]
     problems = drift(project, expected) + requirement_problems(project)
     for base in project.manifest().bases:
-        problems += base_problems(project, found, base)
+        problems += base_problems(project, found, base) + code_problems(project, found, base)
     for path in [path for p in load_series(project.series_toml) for path in p.upstream_test_edits]:
         if project.repo_file(path).is_file():
             problems += new_side_problems(project, read_upstream_edit(project, path), project.repo_file(path))

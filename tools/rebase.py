@@ -5,9 +5,10 @@ payload base's pristine file, and each file is reported clean or conflicted. The
 
 - a conflict: the merges, conflict markers included, are written to ``build/rebase-<version>/`` and nothing
   in the project changes;
-- a runtime file (one the overlay serves at run time) that the release changed upstream: the one payload
+- a runtime file (one the overlay serves at run time) whose code the release changed upstream: the one payload
   cannot serve both this release and the others, so the merges go to ``build/rebase-<version>/`` for review
-  and nothing changes;
+  and nothing changes (a change in comments only is fine: the module records the code digest the bases share,
+  its ``code_sha256``);
 - otherwise the release joins ``manifest.json`` (its files' sha256), the torch requirement in
   ``pyproject.toml`` widens to cover it, a newer release's docstring-only files become the payload (the merge),
   ``patches/`` is regenerated and the sync check runs on every base. If the check fails, every file is put
@@ -23,6 +24,7 @@ import json
 import re
 import sys
 import tempfile
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from tools.project import Project, default_project, torch_requirement
 from torch_overlay import _git
 from torch_overlay._atomic import write_atomically
 from torch_overlay._guard import read_torch_version
-from torch_overlay._manifest import load_manifest, public_version, sha256_hex, version_key
+from torch_overlay._manifest import Manifest, code_sha256, load_manifest, public_version, sha256_hex, version_key
 
 
 class RebaseError(RuntimeError):
@@ -85,10 +87,39 @@ def write_for_review(project: Project, version: str, results: list[MergeResult])
     return out
 
 
-def new_manifest_text(project: Project, version: str, theirs: dict[str, bytes]) -> bytes:
+def comment_only_changes(manifest: Manifest, base: dict[str, bytes], theirs: dict[str, bytes]) -> dict[str, str]:
+    """The runtime files the release changed upstream in comments only: path -> the code digest they share."""
+    changed = {}
+    for m in manifest.runtime_modules:
+        if theirs[m.path] != base[m.path]:
+            digest = _code_digest(theirs[m.path])
+            if digest is not None and digest == _code_digest(base[m.path]):
+                changed[m.path] = digest
+    return changed
+
+
+def _code_digest(content: bytes) -> str | None:
+    """:func:`code_sha256`, or None for a file that does not tokenize (taken as a code change)."""
+    try:
+        return code_sha256(content)
+    except (SyntaxError, tokenize.TokenError):
+        return None
+
+
+def new_manifest_text(
+    project: Project, version: str, theirs: dict[str, bytes], code_digests: dict[str, str] | None = None
+) -> bytes:
+    """manifest.json with the release added, laid out as ever (re-adding a base gives it back byte for byte).
+
+    Each module in ``code_digests`` (path -> digest) gets its ``code_sha256`` as its last field, or keeps its own.
+    """
     raw = json.loads(project.manifest_path.read_text(encoding="utf-8"))
     raw["bases"].append({"version": version, "sha256": {p: sha256_hex(c) for p, c in theirs.items()}})
     raw["bases"].sort(key=lambda b: version_key(b["version"]))
+    code_digests = code_digests or {}
+    for module in raw["modules"]:
+        if module["path"] in code_digests:
+            module.setdefault("code_sha256", code_digests[module["path"]])
     return (json.dumps(raw, indent=2) + "\n").encode("utf-8")
 
 
@@ -101,10 +132,16 @@ def new_pyproject_text(project: Project, requirement: str) -> bytes:
 
 
 def add_base(
-    project: Project, upstream: Path, version: str, results: list[MergeResult], sources: list[Path]
+    project: Project,
+    upstream: Path,
+    version: str,
+    results: list[MergeResult],
+    sources: list[Path],
+    code_digests: dict[str, str] | None = None,
 ) -> list[str]:
     """Write the new base into the project; on any failure (the sync check included) put every file back.
 
+    ``code_digests``: the runtime files the release changed in comments only (:func:`comment_only_changes`).
     Returns the sync check's problems (empty: added).
     """
     manifest = project.manifest()
@@ -114,7 +151,7 @@ def add_base(
     touched += [project.overlay_file(m.path) for m in manifest.modules]
     saved = {path: path.read_bytes() for path in touched if path.is_file()}
     try:
-        write_atomically(project.manifest_path, new_manifest_text(project, version, theirs))
+        write_atomically(project.manifest_path, new_manifest_text(project, version, theirs, code_digests))
         write_atomically(project.pyproject, new_pyproject_text(project, torch_requirement(project.manifest())))
         if becomes_newest:  # the payload is the newest base's files plus our change
             for r in results:
@@ -167,17 +204,21 @@ def rebase(project: Project, upstream: Path, version: str | None = None, sources
         out = write_for_review(project, version, results)
         print(f"rebase: conflicts; nothing changed. The merges, with conflict markers, are in {out}", file=sys.stderr)
         return 1
+    comments_only = comment_only_changes(manifest, base, theirs)
     changed = [m.path for m in manifest.runtime_modules if theirs[m.path] != base[m.path]]
+    changed = [path for path in changed if path not in comments_only]
     if changed:
         out = write_for_review(project, version, results)
         print(
-            f"rebase: torch {version} changed {', '.join(changed)} upstream, a file the overlay serves at run time; "
-            f"one payload cannot serve it and the other bases ({', '.join(manifest.versions)}). Nothing changed. "
-            f"The clean merges are in {out} for review.",
+            f"rebase: torch {version} changed the code of {', '.join(changed)} upstream (not only comments), a "
+            "file the overlay serves at run time; one payload cannot serve it and the other bases "
+            f"({', '.join(manifest.versions)}). Nothing changed. The clean merges are in {out} for review.",
             file=sys.stderr,
         )
         return 1
-    problems = add_base(project, upstream, version, results, list(sources))
+    for path, digest in comments_only.items():
+        print(f"{path}: changed upstream in comments only; the one payload serves it (code_sha256 {digest})")
+    problems = add_base(project, upstream, version, results, list(sources), comments_only)
     for problem in problems:
         print(f"rebase: sync check failed: {problem}", file=sys.stderr)
     if problems:

@@ -23,9 +23,9 @@ MANIFEST_PATH = os.path.join(PACKAGE_DIR, "manifest.json")
 class OverlayModule:
     """One upstream module that the overlay replaces as a whole file."""
 
-    __slots__ = ("name", "path", "runtime")
+    __slots__ = ("name", "path", "runtime", "code_sha256")
 
-    def __init__(self, name: str, path: str, runtime: bool = True) -> None:
+    def __init__(self, name: str, path: str, runtime: bool = True, code_sha256: str | None = None) -> None:
         self.name = name
         """Dotted module name, e.g. ``torch.distributed.fsdp._unshard_param_utils``."""
         self.path = path
@@ -35,6 +35,11 @@ class OverlayModule:
         classes that live objects are instances of (``FullyShardedDataParallel``): serving a new copy at run
         time would break ``isinstance`` for every model built before activation, for a change no program can
         observe. Such a file is still checked by the guard, patched by fork mode and carried by the series."""
+        self.code_sha256 = code_sha256
+        """The claim that every base's upstream file of this module has this :func:`code_sha256` (the same code,
+        comments aside), or None. It lets the one payload serve a runtime file whose bases differ only in
+        comments; the guard still checks each base's exact sha256, and the sync check (``tools.check``) verifies
+        the claim on every base's pristine file."""
 
     def __repr__(self) -> str:
         return f"OverlayModule({self.name!r}, runtime={self.runtime})"
@@ -124,7 +129,9 @@ def _read(path: str) -> Manifest:
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-        modules = tuple(OverlayModule(m["name"], m["path"], m.get("runtime", True)) for m in raw["modules"])
+        modules = tuple(
+            OverlayModule(m["name"], m["path"], m.get("runtime", True), m.get("code_sha256")) for m in raw["modules"]
+        )
         bases = tuple(Base(b["version"], dict(b["sha256"])) for b in raw["bases"])
         manifest = Manifest(raw["package"], modules, bases)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -134,6 +141,8 @@ def _read(path: str) -> Manifest:
         expected = m.name.replace(".", "/") + ".py"
         if m.path != expected:
             problems.append(f"module {m.name} has path {m.path}, expected {expected}")
+        if m.code_sha256 is not None and not _is_sha256(m.code_sha256):
+            problems.append(f"module {m.name} has code_sha256 {m.code_sha256!r}, not a sha256 (64 hex digits)")
     paths = {m.path for m in modules}
     if not bases:
         problems.append("no bases")
@@ -144,11 +153,15 @@ def _read(path: str) -> Manifest:
         if set(b.sha256) != paths:
             problems.append(f"base {b.version} records {sorted(b.sha256)}, not the modules' paths {sorted(paths)}")
         # NOTE: there is one payload: a runtime file may only be served on a base whose upstream file is the
-        # one the payload was made from. Bases whose docstring-only files differ are fine (fork mode patches).
+        # one the payload was made from, or differs from it only in comments (the module's code_sha256, which
+        # the sync check verifies). Bases whose docstring-only files differ are fine (fork mode patches).
         for m in modules:
-            if m.runtime and bases and b.sha256.get(m.path) != bases[-1].sha256.get(m.path):
+            differs = bases and b.sha256.get(m.path) != bases[-1].sha256.get(m.path)
+            if m.runtime and differs and m.code_sha256 is None:
                 problems.append(
-                    f"base {b.version}: runtime file {m.path} differs from the payload base {bases[-1].version}'s"
+                    f"base {b.version}: runtime file {m.path} differs from the payload base {bases[-1].version}'s; "
+                    "one payload cannot serve both unless they differ only in comments: then record their code "
+                    'digest as the module\'s "code_sha256" (`make rebase` does; `make check` verifies it)'
                 )
     if problems:
         raise RuntimeError(f"torch_overlay: invalid manifest {path}: " + "; ".join(problems))
@@ -178,6 +191,49 @@ def sha256_hex(content: bytes) -> str:
     import hashlib  # here, not at start-up
 
     return hashlib.sha256(content).hexdigest()
+
+
+def code_sha256(content: bytes) -> str:
+    """The sha256 of the code of a Python file with ``content``: its token stream without comments.
+
+    Two files that differ only in comments or in layout within the code (blank lines, spaces between tokens,
+    line breaks inside brackets) have the same digest; any other difference, in a docstring, a string or the
+    indentation included, gives another. Only each token's type name and text are hashed, so the digest is the
+    same on every Python version: an f-string, which Python 3.12+ splits into parts, counts as one string token
+    of its source text, as earlier versions give it.
+    Raises ``SyntaxError`` or ``tokenize.TokenError`` for content that does not tokenize.
+    """
+    import hashlib  # here, not at start-up
+    import io
+    import tokenize
+
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(content).readline)
+    lines = io.StringIO(content.decode(encoding)).readlines()
+    stream, fstring_start, depth = [], (0, 0), 0
+    for tok in tokenize.tokenize(io.BytesIO(content).readline):
+        name = tokenize.tok_name[tok.type]
+        if name == "FSTRING_START":
+            fstring_start = tok.start if depth == 0 else fstring_start
+            depth += 1
+        elif name == "FSTRING_END":
+            depth -= 1
+            if depth == 0:
+                stream.append(("STRING", _source_text(lines, fstring_start, tok.end)))
+        elif depth == 0 and name not in ("COMMENT", "NL"):
+            stream.append((name, tok.string))
+    return hashlib.sha256(json.dumps(stream).encode("utf-8")).hexdigest()
+
+
+def _source_text(lines: list[str], start: tuple[int, int], end: tuple[int, int]) -> str:
+    """The source between two tokenize positions (1-based rows, 0-based columns)."""
+    if start[0] == end[0]:
+        return lines[start[0] - 1][start[1] : end[1]]
+    middle = lines[start[0] : end[0] - 1]
+    return "".join([lines[start[0] - 1][start[1] :], *middle, lines[end[0] - 1][: end[1]]])
+
+
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:

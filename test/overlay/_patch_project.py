@@ -96,21 +96,29 @@ def write(root: Path, files: dict[str, str]) -> None:
         (root / path).write_text(text)
 
 
-def manifest_text(bases: dict[str, dict[str, str]]) -> str:
-    """manifest.json for the fake modules and these bases (version -> files), oldest first."""
+def manifest_text(
+    bases: dict[str, dict[str, str]],
+    code_sha256: dict[str, str] | None = None,
+    runtime: tuple[str, ...] = ("torch/fake/beta.py",),
+) -> str:
+    """manifest.json for the fake modules and these bases (version -> files), oldest first; ``code_sha256``:
+    path -> the module's ``code_sha256``, for the modules that have one; ``runtime``: the paths served at run
+    time."""
     manifest = {
         "package": "torch",
         "bases": [
             {"version": v, "sha256": {p: hashlib.sha256(t.encode()).hexdigest() for p, t in files.items()}}
             for v, files in bases.items()
         ],
-        # alpha.py differs between the bases, so it cannot be served at run time (one payload): like the real
-        # fully_sharded_data_parallel.py, it is patched by fork mode and the series only.
+        # By default alpha.py differs between the bases in code, so it cannot be served at run time (one
+        # payload): like the real fully_sharded_data_parallel.py, it is patched by fork mode and the series only.
         "modules": [
-            {"name": p.removesuffix(".py").replace("/", "."), "path": p, "runtime": p != "torch/fake/alpha.py"}
-            for p in BASE
+            {"name": p.removesuffix(".py").replace("/", "."), "path": p, "runtime": p in runtime} for p in BASE
         ],
     }
+    for module in manifest["modules"]:
+        if module["path"] in (code_sha256 or {}):
+            module["code_sha256"] = code_sha256[module["path"]]
     return json.dumps(manifest, indent=2) + "\n"
 
 

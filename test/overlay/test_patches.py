@@ -18,6 +18,7 @@ from tools.patches import PatchError, generate, write
 from tools.pristine import pristine
 from tools.project import default_project
 from torch_overlay._guard import find_torch_dir
+from torch_overlay._manifest import code_sha256
 
 
 class TestPatches(expecttest.TestCase):
@@ -198,6 +199,34 @@ Run `make sources` (downloads the missing bases' wheels), or `make install TORCH
         self.assertExpectedInline(
             "\n".join(self.check()),
             """torch 9.8.0: torch/fake/alpha.py: our change does not merge cleanly onto torch 9.8.0's file (1 conflicting hunks); the one payload cannot serve this base (README, 'Add a torch release')""",  # noqa: E501
+        )
+
+    def runtime_alpha(self, old_alpha: str) -> None:
+        """Serve alpha.py at run time too, 9.8.0's being ``old_alpha``, the manifest claiming 9.9.0's code for it.
+
+        (beta.py is too short: a patch of a two-line file does not apply to a file with one more line.)
+        """
+        (self.sources[1] / "torch/fake/alpha.py").write_text(old_alpha)
+        bases = {"9.8.0": {**OLD_BASE, "torch/fake/alpha.py": old_alpha}, "9.9.0": BASE}
+        claim = {"torch/fake/alpha.py": code_sha256(BASE["torch/fake/alpha.py"].encode())}
+        self.project.manifest_path.write_text(manifest_text(bases, claim, runtime=tuple(BASE)))
+        self.found = pristine(self.project, self.sources)
+        self.regenerate()
+
+    def test_runtime_file_differing_in_comments_only(self) -> None:
+        self.runtime_alpha(BASE["torch/fake/alpha.py"].replace("line 20\n", "line 20  # originally create\n"))
+        self.assertEqual(self.check(), [])
+
+    def test_code_sha256_that_a_base_does_not_have(self) -> None:
+        self.runtime_alpha(OLD_BASE["torch/fake/alpha.py"])  # "line 20 old": a code change
+        found, claimed = (code_sha256(files["torch/fake/alpha.py"].encode()) for files in (OLD_BASE, BASE))
+        self.assertEqual(
+            self.check(),
+            [
+                f"torch 9.8.0: torch/fake/alpha.py: code sha256 {found}, but manifest.json's code_sha256 for "
+                f"torch.fake.alpha is {claimed}: every base's file must have that code (comments aside) for the one "
+                "payload to serve it (README, 'Add a torch release')"
+            ],
         )
 
     def test_unclaimed_and_doubly_claimed_blocks(self) -> None:

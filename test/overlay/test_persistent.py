@@ -109,7 +109,11 @@ this process:  active (the base is checked at the first import of a replaced mod
         self.assertTrue(json.loads(result.stdout.splitlines()[-1])["here"]["warning_fixed"], "the overlay serves it")
         warnings = [line for line in result.stderr.splitlines() if "torch_overlay" in line]
         self.assertEqual(len(warnings), 1, result.stderr)
-        self.assertIn(f"torch 99.0.0 is not a listed base, but its {len(load_manifest().modules)} replaced files are exactly those of", warnings[0])
+        self.assertIn(
+            f"torch 99.0.0 is not a listed base, but its {len(load_manifest().modules)} replaced files are exactly "
+            "those of",
+            warnings[0],
+        )
         self.assertIn("warning: torch_overlay: torch 99.0.0 is not a listed base", self.cli("--status", env=env).stdout)
 
     def test_broken_or_missing_package_never_breaks_startup(self):

@@ -1,21 +1,23 @@
 """Adding a torch release in place, on synthetic upstream files: clean (newer and older), conflicting, a
-changed runtime file, a failed sync check, and a release already listed."""
+changed runtime file (in code, or in comments only), a failed sync check, and a release already listed."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import tempfile
 import unittest
 from pathlib import Path
 
 import expecttest
-from _patch_project import BASE, OLD_BASE, OVERLAY, make_project
+from _patch_project import ALPHA, BASE, OLD_BASE, OVERLAY, make_project, manifest_text
 
 from tools import rebase
 from tools.check import check
 from tools.patches import generate, generated_files, write
 from tools.pristine import pristine
+from torch_overlay._manifest import code_sha256
 
 
 class TestRebase(expecttest.TestCase):
@@ -72,7 +74,8 @@ Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tel
         merged = self.project.overlay_file("torch/fake/alpha.py").read_text()
         self.assertEqual(merged, OVERLAY["torch/fake/alpha.py"].replace("line 7\n", "line 7 upstream\n"))
         self.assertEqual(self.project.declared_requirement(), "torch>=9.8,<10.1")
-        self.assertEqual(check(self.project, [upstream, *self.sources]), [])
+        self.sources.append(upstream)
+        self.assertEqual(check(self.project, self.sources), [])
         self.assertIn("series-9.8.0", [f.name for f in generated_files(self.project.patches_dir)])
         self.assertIn("exit 0\nrebase: torch 10.0.0 is already a base, with these files", self.run_rebase(upstream))
 
@@ -106,11 +109,61 @@ rebase: conflicts; nothing changed. The merges, with conflict markers, are in <t
         text = self.run_rebase(self.upstream("10.0.0", {**BASE, "torch/fake/beta.py": beta}))
         self.assertIn("torch/fake/beta.py: clean", text)
         self.assertIn(
-            "rebase: torch 10.0.0 changed torch/fake/beta.py upstream, a file the overlay serves at run time; one "
-            "payload cannot serve it and the other bases (9.8.0, 9.9.0). Nothing changed.",
+            "rebase: torch 10.0.0 changed the code of torch/fake/beta.py upstream (not only comments), a file the "
+            "overlay serves at run time; one payload cannot serve it and the other bases (9.8.0, 9.9.0). Nothing "
+            "changed.",
             text,
         )
         self.assertEqual(self.snapshot(), self.before)
+
+    def serve_alpha_at_run_time(self) -> None:
+        """alpha.py served at run time too, 9.8.0's being 9.9.0's (beta.py is too short for a change upstream:
+        a patch of a two-line file does not apply to a file with one more line)."""
+        (self.sources[1] / "torch/fake/alpha.py").write_text(ALPHA)
+        bases = {"9.8.0": {**OLD_BASE, "torch/fake/alpha.py": ALPHA}, "9.9.0": BASE}
+        self.project.manifest_path.write_text(manifest_text(bases, runtime=tuple(BASE)))
+        write(self.project, generate(self.project, pristine(self.project, self.sources)))
+        self.assertEqual(check(self.project, self.sources), [])
+        self.before = self.snapshot()
+
+    def upstream_alpha(self, version: str, old: str, new: str) -> Path:
+        """A release whose alpha.py has ``new`` for ``old``."""
+        return self.upstream(version, {**BASE, "torch/fake/alpha.py": ALPHA.replace(old, new)})
+
+    def test_runtime_file_changed_in_comments_only_is_added(self) -> None:
+        self.serve_alpha_at_run_time()
+        refused = self.run_rebase(self.upstream_alpha("10.0.0", "line 7\n", "line 7 x\n"))  # a code change
+        self.assertIn("torch 10.0.0 changed the code of torch/fake/alpha.py upstream (not only comments)", refused)
+        self.assertEqual(self.snapshot(), self.before)
+
+        upstream = self.upstream_alpha("10.0.0", "line 7\n", "line 7  # upstream\n")
+        digest = code_sha256(ALPHA.encode())
+        self.assertEqual(
+            self.run_rebase(upstream),
+            f"""\
+exit 0
+torch/fake/alpha.py: clean
+torch/fake/beta.py: clean
+torch/fake/alpha.py: changed upstream in comments only; the one payload serves it (code_sha256 {digest})
+rebase: torch 10.0.0 added; the bases are now 9.8.0, 9.9.0, 10.0.0; patches/ regenerated; sync check passed
+Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tells which fixes upstream made), then the README's table of releases.
+""",  # noqa: E501
+        )
+        self.assertEqual(self.project.manifest().module("torch.fake.alpha").code_sha256, digest)
+        self.assertIn("line 7  # upstream\n", self.project.overlay_file("torch/fake/alpha.py").read_text())
+        self.sources.append(upstream)
+        self.assertEqual(check(self.project, self.sources), [])
+
+        # An older release changed in comments only too: the module keeps its code_sha256, and re-adding a base
+        # gives the manifest back byte for byte.
+        older = self.upstream_alpha("9.7.0", "line 20\n", "line 20  # older\n")
+        self.assertIn("rebase: torch 9.7.0 added", self.run_rebase(older))
+        manifest = self.project.manifest_path.read_bytes()
+        raw = json.loads(manifest)
+        raw["bases"] = [b for b in raw["bases"] if b["version"] != "9.7.0"]
+        self.project.manifest_path.write_text(json.dumps(raw, indent=2) + "\n")
+        self.assertIn("rebase: torch 9.7.0 added", self.run_rebase(older))
+        self.assertEqual(self.project.manifest_path.read_bytes(), manifest)
 
     def test_failed_sync_check_puts_every_file_back(self) -> None:
         """Upstream changed a context line of the backport: the series made on the new release no longer

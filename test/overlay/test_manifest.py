@@ -1,0 +1,84 @@
+"""The manifest's rule for one payload: a runtime file may differ between bases only in comments, and only
+where its module records the code digest they share (``code_sha256``)."""
+
+from __future__ import annotations
+
+import tempfile
+import unittest
+from pathlib import Path
+
+from _patch_project import BASE, BETA, manifest_text
+
+from torch_overlay._manifest import code_sha256, load_manifest
+
+CODE = b'''"""A module."""
+
+import os  # for the path
+
+
+def f(x):
+    # the answer
+    return os.path.join(x, f"{x!r:>{4}}")  # done
+'''
+
+
+class TestCodeSha256(unittest.TestCase):
+    def test_comments_and_layout_do_not_count(self) -> None:
+        comments = CODE.replace(b"# the answer", b"# the answer, originally created").replace(b"  # done", b"")
+        layout = CODE.replace(b"import os  #", b"\n\nimport os#").replace(b"(x, ", b"(\n        x,\n        ")
+        self.assertEqual(code_sha256(comments), code_sha256(CODE))
+        self.assertEqual(code_sha256(layout), code_sha256(CODE))
+
+    def test_code_docstrings_and_strings_count(self) -> None:
+        for old, new in [
+            (b"return os", b"return  not os"),  # code
+            (b'"""A module."""', b'"""A module!"""'),  # docstring
+            (b'f"{x!r:>{4}}"', b'f"{x!r:>{5}}"'),  # inside an f-string (Python 3.12+ splits it in tokens)
+            (b"    return", b"\treturn"),  # indentation
+        ]:
+            with self.subTest(new=new):
+                self.assertIn(old, CODE)
+                self.assertNotEqual(code_sha256(CODE.replace(old, new)), code_sha256(CODE))
+
+    def test_known_digest(self) -> None:
+        """The digest is the same on every Python version: a change here breaks every recorded code_sha256."""
+        self.assertEqual(code_sha256(CODE), "0897dd92b7b7a2a56da1a56e60f40af324ac75f39eed3304cac022c920a55532")
+
+
+class TestRuntimeFileRule(unittest.TestCase):
+    """``torch/fake/beta.py`` is served at run time (see _patch_project); 9.8.0's differs in a comment."""
+
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.path = Path(self._tmp.name) / "manifest.json"
+        self.old = {**BASE, "torch/fake/beta.py": "# originally created for testing\n" + BETA}
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def test_runtime_file_differing_between_bases_is_refused(self) -> None:
+        self.path.write_text(manifest_text({"9.8.0": self.old, "9.9.0": BASE}))
+        with self.assertRaises(RuntimeError) as raised:
+            load_manifest(self.path)
+        self.assertIn(
+            "base 9.8.0: runtime file torch/fake/beta.py differs from the payload base 9.9.0's; one payload cannot "
+            "serve both unless they differ only in comments: then record their code digest as the module's "
+            '"code_sha256" (`make rebase` does; `make check` verifies it)',
+            str(raised.exception),
+        )
+
+    def test_runtime_file_with_code_sha256_is_accepted(self) -> None:
+        digest = code_sha256(BETA.encode())
+        self.path.write_text(manifest_text({"9.8.0": self.old, "9.9.0": BASE}, {"torch/fake/beta.py": digest}))
+        manifest = load_manifest(self.path)
+        self.assertEqual(manifest.module("torch.fake.beta").code_sha256, digest)
+        self.assertIsNone(manifest.module("torch.fake.alpha").code_sha256)
+
+    def test_code_sha256_must_be_a_sha256(self) -> None:
+        self.path.write_text(manifest_text({"9.9.0": BASE}, {"torch/fake/beta.py": "abc"}))
+        with self.assertRaisesRegex(RuntimeError, "module torch.fake.beta has code_sha256 'abc', not a sha256"):
+            load_manifest(self.path)
+
+
+if __name__ == "__main__":
+    unittest.main()
