@@ -146,6 +146,7 @@ class ActivationTest(unittest.TestCase):
             {
                 "same_fsdp_class": True,
                 "served": [
+                    "torch.distributed._composable.replicate",  # imported by torch.distributed.fsdp
                     "torch.distributed.fsdp._unshard_param_utils",
                     "torch.distributed.tensor.parallel._data_parallel_utils",
                 ],
