@@ -1,5 +1,6 @@
 # Owner(s): ["oncall: distributed"]
 
+import contextlib
 import copy
 import shutil
 import sys
@@ -648,6 +649,29 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         model.double()
         with self.assertRaisesRegex(RuntimeError, r"is now torch\.float64 .* after DDP\(\.\.\.\)"):
             optim.step()
+
+    def test_no_sync_gradient_accumulation(self):
+        """Gradients accumulated under ddp.no_sync() over micro-batches train like the reference."""
+        mesh = self.mesh()
+        reference, model = self.build(mesh)
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+        optim = torch.optim.SGD(model.parameters(), lr=0.05)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+        for step in range(2):
+            for micro in range(3):
+                x = self.inputs(mesh, 10 * step + micro)
+                for d in (ddp, ref_ddp):
+                    # The last micro-batch synchronizes the accumulated gradients.
+                    with d.no_sync() if micro < 2 else contextlib.nullcontext():
+                        d(x).pow(2).sum().backward()
+            self.assert_grads_match(model, reference)
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+        state = {name: full(value) for name, value in model.state_dict().items()}
+        self.assertEqual(state, reference.state_dict())
 
     def test_load_state_dict_assign_after_wrapping(self):
         """load_state_dict(assign=True) after wrapping: DDP and the optimizer see the loaded values."""
