@@ -69,6 +69,10 @@ class Bucket:
     opcount_increased_to_capture_external_output: int = 0
     paramsize_before_opcount_increase: int = 0
 
+    # values computed before the bucket, taken by its nodes, that cannot cross a
+    # split boundary (see ``_is_split_boundary_value``)
+    non_splittable_inputs: set[fx.Node] = field(default_factory=set)
+
 
 def bucket_has_external_output(bucket: Bucket) -> bool:
     nodes_in_bucket = set()
@@ -103,20 +107,19 @@ def _is_split_boundary_value(value: Any) -> bool:
     )
 
 
-def bucket_has_non_splittable_input(bucket: Bucket) -> bool:
+def add_node(bucket: Bucket, node: fx.Node) -> None:
     """
-    Whether a node of ``bucket`` takes a value computed before the bucket that
-    cannot cross a split boundary (see ``_is_split_boundary_value``). Graph
-    inputs can: every split graph takes them directly.
+    Add ``node`` (the graph is walked in reverse) to ``bucket``, keeping track of
+    the inputs computed before the bucket that cannot cross a split boundary.
+    Graph inputs can: every split graph takes them directly.
     """
-    nodes_in_bucket = set(bucket.nodes)
-    for node in bucket.nodes:
-        for arg in node.all_input_nodes:
-            if arg in nodes_in_bucket or arg.op == "placeholder":
-                continue
-            if not _is_split_boundary_value(arg.meta.get("example_value")):
-                return True
-    return False
+    bucket.nodes.append(node)
+    bucket.non_splittable_inputs.discard(node)
+    for arg in node.all_input_nodes:
+        if arg.op != "placeholder" and not _is_split_boundary_value(
+            arg.meta.get("example_value")
+        ):
+            bucket.non_splittable_inputs.add(arg)
 
 
 def pretty_print_buckets(buckets: list[Bucket], bucket_bytes_cap: int) -> None:
@@ -147,9 +150,11 @@ def pretty_print_buckets(buckets: list[Bucket], bucket_bytes_cap: int) -> None:
         if extended_buckets:
             log.warning(
                 "Some buckets were extended beyond their requested parameter capacities"
-                " in order to ensure each subgraph has an output node, required for fx graph partitioning."
+                " in order to ensure each subgraph has an output node, required for fx graph partitioning,"
+                " and that no tensor subclass (e.g. a DTensor) or opaque object crosses a split."
                 " This can be the case when a subgraph would have only contained nodes performing inplace mutation,"
-                " and returning no logical outputs. This should not be a problem, unless it results in too few graph"
+                " and returning no logical outputs, or when a model runs on DTensors between its modules (e.g."
+                " sequence parallel). This should not be a problem, unless it results in too few graph"
                 " partitions for optimal DDP performance."
             )
 
@@ -566,9 +571,10 @@ class DDPOptimizer:
             ):
                 # Tensor parallel models run on DTensors between the hooks of
                 # their parallel modules: no split where one crosses.
-                if bucket_has_external_output(
-                    buckets[0]
-                ) and not bucket_has_non_splittable_input(buckets[0]):
+                if (
+                    bucket_has_external_output(buckets[0])
+                    and not buckets[0].non_splittable_inputs
+                ):
                     buckets.insert(0, Bucket())
                 else:
                     # continue building this bucket past the point of filling its parameter capacity,
@@ -615,7 +621,7 @@ class DDPOptimizer:
 
             # All nodes have to be mapped to a bucket, even if they don't have their own params
             # Ignored params still end up in buckets, we just don't count them towards the capacity
-            buckets[0].nodes.append(node)
+            add_node(buckets[0], node)
 
         if len(buckets) > 1 and buckets[0].size == 0:
             # we collected a small preamble graph with ops that don't include parameters, fuse it back
