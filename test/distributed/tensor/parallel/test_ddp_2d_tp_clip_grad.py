@@ -78,35 +78,39 @@ class TestDDP2DTPClipGradNorm(DTensorContinuousTestBase):
     def test_clip_grad_norm_is_global(self):
         """Every rank gets the non-TP reference's norm and clipped gradients, and trains like it."""
         mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
-        for norm_type in (2.0, float("inf")):
-            for foreach in (None, False):
-                torch.manual_seed(0)
-                reference = Blocks()
-                model = copy.deepcopy(reference)
-                plan = {"b1.net1": ColwiseParallel(), "b1.net2": RowwiseParallel()}
-                plan.update({"b2.net1": ColwiseParallel(), "b2.net2": RowwiseParallel()})
-                parallelize_module(model, mesh["tp"], plan)
-                ddp = DDP(model, device_mesh=mesh["dp"])
-                ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
-                optim = torch.optim.SGD(model.parameters(), lr=0.05)
-                ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
-                case = f"norm_type={norm_type}, foreach={foreach}"
-                for step in range(3):
-                    torch.manual_seed(1000 * step + mesh["dp"].get_local_rank())
-                    x = torch.randn(4, DIM)
-                    ddp(x).pow(2).sum().backward()
-                    ref_ddp(x).pow(2).sum().backward()
-                    # A small max_norm: clipping is active at every step.
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type, foreach=foreach)
-                    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type, foreach=foreach)
-                    self.assertEqual(norm, ref_norm, msg=f"{case}, step {step}: total norm")
-                    self.assertEqual(len(list(model.parameters())), len(list(reference.parameters())))
-                    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
-                        self.assertEqual(grad_as_full(param), ref.grad, msg=f"{case}, step {step}: {name}")
-                    optim.step()
-                    ref_optim.step()
-                    optim.zero_grad()
-                    ref_optim.zero_grad()
+        inf = float("inf")
+        cases = [(p, foreach, torch.float32) for p in (2.0, inf, 1.0, 3.0, -inf, 0.0) for foreach in (None, False)]
+        # Gradient norms far above 256: their squares overflow float16.
+        cases.append((2.0, None, torch.float16))
+        for norm_type, foreach, dtype in cases:
+            torch.manual_seed(0)
+            reference = Blocks().to(dtype)
+            model = copy.deepcopy(reference)
+            plan = {"b1.net1": ColwiseParallel(), "b1.net2": RowwiseParallel()}
+            plan.update({"b2.net1": ColwiseParallel(), "b2.net2": RowwiseParallel()})
+            parallelize_module(model, mesh["tp"], plan)
+            ddp = DDP(model, device_mesh=mesh["dp"])
+            ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+            optim = torch.optim.SGD(model.parameters(), lr=0.05)
+            ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+            case = f"norm_type={norm_type}, foreach={foreach}, {dtype}"
+            for step in range(3):
+                torch.manual_seed(1000 * step + mesh["dp"].get_local_rank())
+                x = (torch.randn(4, DIM) * (30 if dtype == torch.float16 else 1)).to(dtype)
+                ddp(x).pow(2).sum().backward()
+                ref_ddp(x).pow(2).sum().backward()
+                # A small max_norm: clipping is active at every step.
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type, foreach=foreach)
+                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type, foreach=foreach)
+                self.assertTrue(torch.isfinite(ref_norm), case)
+                self.assertEqual(norm, ref_norm, msg=f"{case}, step {step}: total norm")
+                self.assertEqual(len(list(model.parameters())), len(list(reference.parameters())))
+                for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+                    self.assertEqual(grad_as_full(param), ref.grad, msg=f"{case}, step {step}: {name}")
+                optim.step()
+                ref_optim.step()
+                optim.zero_grad()
+                ref_optim.zero_grad()
 
 
 if __name__ == "__main__":

@@ -45,6 +45,33 @@ def _no_grad(func: Callable[_P, _R]) -> Callable[_P, _R]:
     return _no_grad_wrapper
 
 
+def _tensor_norms(
+    tensors: list[Tensor], norm_type: float, foreach: bool | None
+) -> list[Tensor]:
+    r"""Compute the norm of each tensor (in no particular order), with foreach where supported."""
+    grouped_tensors: dict[
+        tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]
+    ] = _group_tensors_by_device_and_dtype(  # pyrefly: ignore [bad-assignment]
+        [tensors]  # type: ignore[list-item]
+    )  # type: ignore[assignment]
+
+    norms: list[Tensor] = []
+    for (device, _), ([device_tensors], _) in grouped_tensors.items():
+        if (foreach is None and _has_foreach_support(device_tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            norms.extend(torch._foreach_norm(device_tensors, norm_type))
+        elif foreach:
+            raise RuntimeError(
+                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+            )
+        else:
+            norms.extend(
+                [torch.linalg.vector_norm(g, norm_type) for g in device_tensors]
+            )
+    return norms
+
+
 @_no_grad
 def _get_total_norm(
     tensors: _tensor_or_tensors,
@@ -81,26 +108,7 @@ def _get_total_norm(
     if len(tensors) == 0:
         return torch.tensor(0.0)
     first_device = tensors[0].device
-    grouped_tensors: dict[
-        tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]
-    ] = _group_tensors_by_device_and_dtype(  # pyrefly: ignore [bad-assignment]
-        [tensors]  # type: ignore[list-item]
-    )  # type: ignore[assignment]
-
-    norms: list[Tensor] = []
-    for (device, _), ([device_tensors], _) in grouped_tensors.items():
-        if (foreach is None and _has_foreach_support(device_tensors, device)) or (
-            foreach and _device_has_foreach_support(device)
-        ):
-            norms.extend(torch._foreach_norm(device_tensors, norm_type))
-        elif foreach:
-            raise RuntimeError(
-                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
-            )
-        else:
-            norms.extend(
-                [torch.linalg.vector_norm(g, norm_type) for g in device_tensors]
-            )
+    norms = _tensor_norms(tensors, norm_type, foreach)
 
     total_norm = torch.linalg.vector_norm(
         torch.stack([norm.to(first_device) for norm in norms]), norm_type
@@ -116,68 +124,72 @@ def _get_total_norm(
     return total_norm
 
 
-def _get_total_norm_of_localized_shards(
+def _norms_of_localized_shards(
     parameters: list[torch.Tensor],
     norm_type: float,
-    error_if_nonfinite: bool,
     foreach: bool | None,
-) -> torch.Tensor:
-    r"""Compute the total norm of the gradients of ``parameters``, some of them local shards.
+) -> list[Tensor]:
+    r"""Compute the norm of each gradient of ``parameters``, some of them local shards.
 
     ``DistributedDataParallel`` and ``replicate`` with a ``device_mesh`` over a
     tensor parallel model replace each DTensor parameter by its local shard,
-    which carries the DTensor's spec as ``_st_info``. Each such gradient counts
-    here as the DTensor gradient it is a shard of, as with tensor parallelism
-    alone: the norms of the gradients sharded over a mesh are reduced over that
-    mesh (one collective per mesh), and every rank gets the same total norm. A
-    norm computed from the local shards alone differs from rank to rank, and
-    the ranks would clip their shards by different coefficients.
+    which carries the DTensor's spec as ``_st_info``. The norm of such a
+    gradient is that of the DTensor gradient it is a shard of, as with tensor
+    parallelism alone: the norms of the local shards are reduced over their mesh,
+    one collective per mesh for all of its gradients, in float32, so every rank of
+    the mesh gets the same norms and must call this. A norm computed from the
+    local shards alone differs from rank to rank, and the ranks would clip their
+    shards by different coefficients. Replicated and plain gradients are taken
+    as they are.
     """
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial, Replicate
 
-    counted_once: list[Tensor] = []
+    taken_as_they_are: list[Tensor] = []
     sharded_by_mesh: dict[object, list[Tensor]] = {}
-    norms: list[Tensor] = []
     for p in parameters:
         if p.grad is None:
             continue
         spec = getattr(p, "_st_info", None)
-        if spec is None or not any(pl.is_shard() for pl in spec.placements):
-            counted_once.append(p.grad)
-        elif spec.mesh.ndim == 1:
-            sharded_by_mesh.setdefault(spec.mesh, []).append(p.grad)
-        else:
-            view = DTensor.from_local(
-                p.grad,
-                spec.mesh,
-                spec.placements,
-                run_check=False,
-                shape=spec.shape,
-                stride=spec.stride,
+        if spec is None or all(
+            isinstance(pl, (Replicate, Partial)) for pl in spec.placements
+        ):
+            taken_as_they_are.append(p.grad)
+        elif spec.mesh.ndim != 1:
+            raise NotImplementedError(
+                "clip_grad_norm_: a parameter is the local shard of a DTensor on a "
+                f"{spec.mesh.ndim}-D mesh ({spec.placements}); only shards over a "
+                "1-D mesh (tensor parallelism under DistributedDataParallel or "
+                "replicate) are supported. Compute the norm from DTensor gradients "
+                "and clip with torch.nn.utils.clip_grads_with_norm_."
             )
-            norms.append(torch.linalg.vector_norm(view, norm_type).full_tensor())
-    if counted_once:
-        norms.append(_get_total_norm(counted_once, norm_type, False, foreach))
-    for mesh, grads in sharded_by_mesh.items():
-        norm = _get_total_norm(grads, norm_type, False, foreach)
-        group = mesh.get_group()  # type: ignore[attr-defined]
-        if norm_type == float("inf"):
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         else:
-            norm = norm.pow(norm_type)
-            dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=group)
-            norm = norm.pow(1.0 / norm_type)
-        norms.append(norm)
-    total_norm = _get_total_norm(norms, norm_type, False, foreach)
-    if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from "
-            "`parameters` is non-finite, so it cannot be clipped. To disable "
-            "this error and scale the gradients by the non-finite norm anyway, "
-            "set `error_if_nonfinite=False`"
+            sharded_by_mesh.setdefault(spec.mesh, []).append(p.grad)
+    norms = _tensor_norms(taken_as_they_are, norm_type, foreach)
+    for mesh, grads in sharded_by_mesh.items():
+        # Empty shards (uneven sharding) contribute the reduction's identity.
+        identity = float("inf") if norm_type == -float("inf") else 0.0
+        local = torch.stack(
+            [
+                torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                if g.numel() > 0
+                else torch.tensor(identity, device=g.device)
+                for g in grads
+            ]
         )
-    return total_norm
+        if norm_type == float("inf"):
+            op = dist.ReduceOp.MAX
+        elif norm_type == -float("inf"):
+            op = dist.ReduceOp.MIN
+        else:
+            op = dist.ReduceOp.SUM
+            if norm_type != 0:
+                local = local.pow(norm_type)
+        dist.all_reduce(local, op=op, group=mesh.get_group())  # type: ignore[attr-defined]
+        if op == dist.ReduceOp.SUM and norm_type != 0:
+            local = local.pow(1.0 / norm_type)
+        norms.extend(n.to(g.dtype) for n, g in zip(local, grads))
+    return norms
 
 
 @_no_grad
@@ -261,6 +273,10 @@ def clip_grad_norm_(
 
     This function is equivalent to :func:`torch.nn.utils.get_total_norm` followed by
     :func:`torch.nn.utils.clip_grads_with_norm_` with the ``total_norm`` returned by ``get_total_norm``.
+    The exception are the local shards of tensor parallel parameters that
+    ``DistributedDataParallel`` or ``replicate`` with a ``device_mesh`` hold: their
+    gradients count as the DTensor gradients they are shards of, which takes a
+    collective over their mesh, so every rank of it must call this function.
 
     Args:
         parameters (Iterable[Tensor] or Tensor): an iterable of Tensors or a
@@ -292,9 +308,8 @@ def clip_grad_norm_(
             )
     if any(hasattr(p, "_st_info") for p in parameters):
         # Local shards of tensor parallel parameters, localized for data parallelism
-        total_norm = _get_total_norm_of_localized_shards(
-            parameters, float(norm_type), error_if_nonfinite, foreach
-        )
+        norms = _norms_of_localized_shards(parameters, float(norm_type), foreach)
+        total_norm = _get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
     else:
         grads = [p.grad for p in parameters if p.grad is not None]
         total_norm = _get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
