@@ -650,6 +650,21 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         with self.assertRaisesRegex(RuntimeError, r"is now torch\.float64 .* after DDP\(\.\.\.\)"):
             optim.step()
 
+    def test_loss_from_parameter_taken_before_wrapping_raises(self):
+        """A gradient accumulated into a TP parameter DDP replaced would be lost: backward raises."""
+        mesh = self.mesh()
+        _, model = self.build(mesh)
+        weight = model.blocks[0].net1.weight  # a DTensor parameter, kept from before wrapping
+        DDP(model, device_mesh=mesh["dp"])
+        # Gradients taken, not accumulated, reach the caller: no error.
+        (grad,) = torch.autograd.grad(weight.full_tensor().pow(2).sum(), [weight])
+        self.assertEqual(full(grad), 2 * weight.full_tensor().detach())
+        with self.assertRaisesRegex(
+            RuntimeError, r"A gradient reached a DTensor parameter .* after DDP\(\.\.\.\)"
+        ):
+            weight.full_tensor().pow(2).sum().backward()
+        self.assertIsNone(model.blocks[0].net1.weight.grad)
+
     def test_no_sync_gradient_accumulation(self):
         """Gradients accumulated under ddp.no_sync() over micro-batches train like the reference."""
         mesh = self.mesh()

@@ -251,7 +251,9 @@ def _register_dtensor_views(
 # weak map (an entry lives as long as someone, e.g. an optimizer, holds the
 # DTensor), so that this hook costs nothing once none is left, and so that it
 # also finds a parameter of a DTensor subclass, whose class is left alone (it
-# gets no gradient before that step).
+# gets no gradient before that step). A gradient that autograd accumulates into
+# a replaced parameter itself (a loss term computed from it) could only be
+# lost: it raises instead, see ``_gradient_to_replaced_param_hook``.
 _LOCALIZED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _optimizer_hook_handle = None
 
@@ -451,8 +453,30 @@ def _optimizer_step_pre_hook(optimizer: Optimizer, *_: Any) -> None:
     _register_optimizer_hooks(optimizer)
 
 
+def _gradient_to_replaced_param_hook(param: torch.Tensor) -> None:
+    """
+    Post-accumulate-grad hook of a replaced DTensor parameter: nothing reads
+    its own gradient (its ``grad`` shows the local parameter's), so a gradient
+    accumulated into it would be lost, silently.
+    """
+    raise RuntimeError(
+        "A gradient reached a DTensor parameter that DistributedDataParallel or "
+        "replicate() with a device_mesh replaced by a local parameter when it "
+        "wrapped the model: a loss term computed from a parameter taken before "
+        "wrapping (e.g. a penalty over a list of parameters kept from then) "
+        "would train nothing, since DDP trains and synchronizes the registered "
+        "parameters. Compute it from the parameters the model holds after "
+        "DDP(...): model.parameters() (local shards), or the module's DTensor "
+        "views during its forward."
+    )
+
+
 def _record_localized(param: nn.Parameter, local: nn.Parameter) -> None:
     global _optimizer_hook_handle
+    if param in _LOCALIZED_PARAMS:  # a tied parameter's other owners
+        return
+    if param.requires_grad:
+        param.register_post_accumulate_grad_hook(_gradient_to_replaced_param_hook)
     if type(param) is DTensor:
         # The local parameter shares the DTensor's local tensor (see
         # ``_flatten_tensor``), so the data it shows is the same.
