@@ -381,6 +381,45 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             reference.zero_grad(set_to_none=True)
         self.assertIsNone(model.get_parameter(frozen).grad)
 
+    def test_requires_grad_toggled_through_parameters_taken_before_wrapping(self):
+        """Freezing or unfreezing TP parameters kept from before wrapping freezes or unfreezes what DDP trains."""
+        mesh = self.mesh()
+        reference, model = self.build(mesh)
+        frozen, unfrozen = "blocks.0.net1.weight", "blocks.1.net2.weight"
+        kept = {name: model.get_parameter(name) for name in (frozen, unfrozen)}  # DTensors
+        for m in (reference, model):
+            m.get_parameter(unfrozen).requires_grad_(False)
+        # find_unused_parameters: DDP sees no gradient for a newly frozen one.
+        ddp = DDP(model, device_mesh=mesh["dp"], find_unused_parameters=True)
+        ref_ddp = DDP(
+            reference,
+            process_group=mesh["dp"].get_group(),
+            find_unused_parameters=True,
+        )
+        for step in range(3):
+            if step in (0, 2):
+                # Through the kept objects (both ways of setting the flag);
+                # the reference's parameters directly.
+                kept[frozen].requires_grad_(step == 2)
+                kept[unfrozen].requires_grad = step == 0
+                reference.get_parameter(frozen).requires_grad_(step == 2)
+                reference.get_parameter(unfrozen).requires_grad_(step == 0)
+                for name, param in kept.items():
+                    self.assertEqual(model.get_parameter(name).requires_grad, param.requires_grad, name)
+            x = self.inputs(mesh, step)
+            ddp(x).sum().backward()
+            ref_ddp(x).sum().backward()
+            self.assert_grads_match(model, reference)
+            if step == 1:
+                self.assertIsNone(model.get_parameter(frozen).grad)
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+        # Frozen when DDP wrapped it, unfrozen since: guarded like the others
+        # (see test_loss_from_parameter_taken_before_wrapping_raises).
+        kept[unfrozen].requires_grad_(True)
+        with self.assertRaisesRegex(RuntimeError, "A gradient reached a DTensor parameter"):
+            kept[unfrozen].full_tensor().sum().backward()
+
     def test_deepcopy_after_forward(self):
         """A deep copy made after forwards is independent and computes the same."""
         mesh = self.mesh()

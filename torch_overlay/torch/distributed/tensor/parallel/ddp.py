@@ -263,9 +263,9 @@ class _ReplacedDTensorParameter(DTensor):
     A DTensor parameter that ``_localize_dtensor`` replaced by the local
     parameter ``_dp_local_param``, for whoever still holds it: it shows that
     parameter's data and gradient as DTensors of its global spec, see
-    ``_LOCALIZED_PARAMS``. Its ``requires_grad`` is its own: freeze or unfreeze
-    the registered (local) parameter instead. Copies and pickles are plain
-    DTensor parameters with the current data.
+    ``_LOCALIZED_PARAMS``. Freezing or unfreezing it freezes or unfreezes that
+    parameter too. Copies and pickles are plain DTensor parameters with the
+    current data.
     """
 
     # The class of an existing DTensor parameter is changed to this one: no
@@ -318,6 +318,23 @@ class _ReplacedDTensorParameter(DTensor):
                 f"{tuple(getattr(grad, 'shape', ()))}"
             )
         local.grad = grad
+
+    @property  # type: ignore[override]
+    def requires_grad(self) -> bool:
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, requires_grad: bool) -> None:
+        self.requires_grad_(requires_grad)
+
+    def requires_grad_(self, requires_grad: bool = True) -> DTensor:
+        # NOTE: A parameter list kept from before wrapping (e.g. the base
+        # weights of a staged unfreezing schedule) is the user's handle on the
+        # weights DDP trains: its flag is theirs too.
+        self._local_param().requires_grad_(requires_grad)
+        super().requires_grad_(requires_grad)
+        _guard_gradient(self)
+        return self
 
     def _as_dtensor_parameter(self) -> nn.Parameter:
         param = nn.Parameter(
@@ -471,12 +488,22 @@ def _gradient_to_replaced_param_hook(param: torch.Tensor) -> None:
     )
 
 
+def _guard_gradient(param: torch.Tensor) -> None:
+    """
+    Register ``_gradient_to_replaced_param_hook`` on the replaced parameter
+    ``param`` once it requires grad (it cannot be registered before).
+    """
+    if param.requires_grad and "_dp_gradient_guard" not in param.__dict__:
+        param._dp_gradient_guard = param.register_post_accumulate_grad_hook(  # type: ignore[attr-defined]
+            _gradient_to_replaced_param_hook
+        )
+
+
 def _record_localized(param: nn.Parameter, local: nn.Parameter) -> None:
     global _optimizer_hook_handle
     if param in _LOCALIZED_PARAMS:  # a tied parameter's other owners
         return
-    if param.requires_grad:
-        param.register_post_accumulate_grad_hook(_gradient_to_replaced_param_hook)
+    _guard_gradient(param)
     if type(param) is DTensor:
         # The local parameter shares the DTensor's local tensor (see
         # ``_flatten_tensor``), so the data it shows is the same.
