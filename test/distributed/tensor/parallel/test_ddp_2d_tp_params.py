@@ -385,10 +385,10 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         """Freezing or unfreezing TP parameters kept from before wrapping freezes or unfreezes what DDP trains."""
         mesh = self.mesh()
         reference, model = self.build(mesh)
-        frozen, unfrozen = "blocks.0.net1.weight", "blocks.1.net2.weight"
-        kept = {name: model.get_parameter(name) for name in (frozen, unfrozen)}  # DTensors
+        toggled, frozen = "blocks.0.net1.weight", "blocks.1.net2.weight"
+        kept = {name: model.get_parameter(name) for name in (toggled, frozen)}  # DTensors
         for m in (reference, model):
-            m.get_parameter(unfrozen).requires_grad_(False)
+            m.get_parameter(frozen).requires_grad_(False)
         # find_unused_parameters: DDP sees no gradient for a newly frozen one.
         ddp = DDP(model, device_mesh=mesh["dp"], find_unused_parameters=True)
         ref_ddp = DDP(
@@ -397,28 +397,26 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             find_unused_parameters=True,
         )
         for step in range(3):
-            if step in (0, 2):
-                # Through the kept objects (both ways of setting the flag);
-                # the reference's parameters directly.
-                kept[frozen].requires_grad_(step == 2)
-                kept[unfrozen].requires_grad = step == 0
-                reference.get_parameter(frozen).requires_grad_(step == 2)
-                reference.get_parameter(unfrozen).requires_grad_(step == 0)
-                for name, param in kept.items():
-                    self.assertEqual(model.get_parameter(name).requires_grad, param.requires_grad, name)
+            if step == 0:
+                kept[toggled].requires_grad_(False)
+                reference.get_parameter(toggled).requires_grad_(False)
+            if step == 2:  # trainable when DDP was built: synchronized again
+                kept[toggled].requires_grad = True
+                reference.get_parameter(toggled).requires_grad_(True)
+            self.assertEqual(model.get_parameter(toggled).requires_grad, step == 2, toggled)
             x = self.inputs(mesh, step)
             ddp(x).sum().backward()
             ref_ddp(x).sum().backward()
             self.assert_grads_match(model, reference)
-            if step == 1:
-                self.assertIsNone(model.get_parameter(frozen).grad)
+            self.assertEqual(model.get_parameter(toggled).grad is None, step < 2)
             model.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
-        # Frozen when DDP wrapped it, unfrozen since: guarded like the others
-        # (see test_loss_from_parameter_taken_before_wrapping_raises).
-        kept[unfrozen].requires_grad_(True)
+        # Frozen when DDP wrapped it, unfrozen since: its flag follows, and it
+        # is guarded like the others (test_loss_from_parameter_taken_before_wrapping_raises).
+        kept[frozen].requires_grad_(True)
+        self.assertTrue(model.get_parameter(frozen).requires_grad)
         with self.assertRaisesRegex(RuntimeError, "A gradient reached a DTensor parameter"):
-            kept[unfrozen].full_tensor().sum().backward()
+            kept[frozen].full_tensor().sum().backward()
 
     def test_deepcopy_after_forward(self):
         """A deep copy made after forwards is independent and computes the same."""
@@ -702,7 +700,9 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             RuntimeError, r"A gradient reached a DTensor parameter .* after DDP\(\.\.\.\)"
         ):
             weight.full_tensor().pow(2).sum().backward()
+        # Neither the registered parameter nor the kept one keeps it.
         self.assertIsNone(model.blocks[0].net1.weight.grad)
+        self.assertIsNone(torch._C.TensorBase.grad.__get__(weight))
 
     def test_no_sync_gradient_accumulation(self):
         """Gradients accumulated under ddp.no_sync() over micro-batches train like the reference."""

@@ -328,9 +328,9 @@ class _ReplacedDTensorParameter(DTensor):
         self.requires_grad_(requires_grad)
 
     def requires_grad_(self, requires_grad: bool = True) -> DTensor:
-        # NOTE: A parameter list kept from before wrapping (e.g. the base
-        # weights of a staged unfreezing schedule) is the user's handle on the
-        # weights DDP trains: its flag is theirs too.
+        # NOTE: A parameter list kept from before wrapping (e.g. to freeze
+        # the base weights later) is the user's handle on the weights DDP
+        # trains: its flag is theirs too.
         self._local_param().requires_grad_(requires_grad)
         super().requires_grad_(requires_grad)
         _guard_gradient(self)
@@ -474,8 +474,10 @@ def _gradient_to_replaced_param_hook(param: torch.Tensor) -> None:
     """
     Post-accumulate-grad hook of a replaced DTensor parameter: nothing reads
     its own gradient (its ``grad`` shows the local parameter's), so a gradient
-    accumulated into it would be lost, silently.
+    accumulated into it would be lost, silently. It is dropped, so that it
+    does not pile up there, and the backward raises.
     """
+    torch._C.TensorBase.grad.__set__(param, None)
     raise RuntimeError(
         "A gradient reached a DTensor parameter that DistributedDataParallel or "
         "replicate() with a device_mesh replaced by a local parameter when it "
