@@ -354,6 +354,14 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
 
             self._check_parity(make, check_grads=True, frozen=["blocks.1.net1.weight"])
 
+    def wrap_for_freezing(self, mesh, model, reference):
+        """DDP over ``model`` and the non-TP ``reference``, for parameters frozen after wrapping."""
+        # find_unused_parameters: DDP sees no gradient for a newly frozen one.
+        return (
+            DDP(model, device_mesh=mesh["dp"], find_unused_parameters=True),
+            DDP(reference, process_group=mesh["dp"].get_group(), find_unused_parameters=True),
+        )
+
     def test_requires_grad_toggled_after_wrapping(self):
         """Freezing or unfreezing a TP parameter after wrapping takes effect."""
         mesh = self.mesh()
@@ -361,13 +369,7 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         frozen, unfrozen = "blocks.0.net1.weight", "blocks.1.net2.weight"
         for m in (reference, model):
             m.get_parameter(unfrozen).requires_grad_(False)
-        # find_unused_parameters: DDP sees no gradient for the newly frozen one.
-        ddp = DDP(model, device_mesh=mesh["dp"], find_unused_parameters=True)
-        ref_ddp = DDP(
-            reference,
-            process_group=mesh["dp"].get_group(),
-            find_unused_parameters=True,
-        )
+        ddp, ref_ddp = self.wrap_for_freezing(mesh, model, reference)
         for step in range(3):
             if step == 1:
                 for m in (reference, model):
@@ -389,13 +391,7 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         kept = {name: model.get_parameter(name) for name in (toggled, frozen)}  # DTensors
         for m in (reference, model):
             m.get_parameter(frozen).requires_grad_(False)
-        # find_unused_parameters: DDP sees no gradient for a newly frozen one.
-        ddp = DDP(model, device_mesh=mesh["dp"], find_unused_parameters=True)
-        ref_ddp = DDP(
-            reference,
-            process_group=mesh["dp"].get_group(),
-            find_unused_parameters=True,
-        )
+        ddp, ref_ddp = self.wrap_for_freezing(mesh, model, reference)
         for step in range(3):
             if step == 0:
                 kept[toggled].requires_grad_(False)
