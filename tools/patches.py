@@ -2,9 +2,9 @@
 
 Inputs: the pristine files of the newest base (see :mod:`tools.pristine`), the overlay files,
 ``patches/series.toml`` and the tests it names. Each patch's state is committed in a scratch git repository
-with a fixed author and date, and ``git format-patch`` writes the series, so regenerating from the same
-inputs is byte-identical. ``patches/series`` lists the upstream series (what the newest base needs); a base
-that also needs backports gets ``patches/series-<version>``.
+at a fixed date, by the author series.toml records once (its top-level ``author``), and ``git format-patch``
+writes the series, so regenerating from the same inputs is byte-identical. ``patches/series`` lists the
+upstream series (what the newest base needs); a base that also needs backports gets ``patches/series-<version>``.
 
     python -m tools.patches [--wheel TORCH_WHEEL_OR_DIR ...]
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
-from tools.series import Patch, SeriesError, file_states, load_series
+from tools.series import Patch, SeriesError, file_states, load_author, load_series
 from torch_overlay import _git
 from torch_overlay._patchset import SERIES_FILE
 
@@ -43,10 +43,10 @@ class UpstreamEdit:
     diff: str
 
 
-def git(repo: Path, *args: str, input: str | None = None) -> str:
+def git(repo: Path, *args: str, input: str | None = None, identity: tuple[str, str] = _git.AUTHOR) -> str:
     """git in the scratch repository, isolated from the caller's environment and config (:mod:`_git`)."""
     try:
-        return _git.git(repo, *args, input=input)
+        return _git.git(repo, *args, input=input, identity=identity)
     except _git.GitError as e:
         raise PatchError(str(e)) from e
 
@@ -144,6 +144,7 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
     base = found.files(manifest.payload_base)
     try:
         patches = load_series(project.series_toml)
+        author = load_author(project.series_toml)
         unneeded = [p.name for p in patches if not p.needed_on(manifest.bases[0].version)]
         if unneeded:
             raise SeriesError(
@@ -175,7 +176,8 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
             all_edits.append(edits)
             git(repo, "add", "--all")
             message = commit_message(patch, edits, manifest.payload_base.version)
-            git(repo, "commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-", input=message)
+            commit = ["commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-"]
+            git(repo, *commit, input=message, identity=author)
         names = [f"{k:04d}-{p.name}.patch" for k, p in enumerate(patches, 1)]
         formatted = Path(tmp) / "formatted"
         git(
