@@ -64,7 +64,7 @@ class StackPatch:
     @property
     def message(self) -> str:
         """The commit message as ``make patches`` writes it (title, Summary, Test Plan, Fixes)."""
-        return commit_message(self.patch, [], "")
+        return commit_message(self.patch)
 
 
 @dataclass(frozen=True)

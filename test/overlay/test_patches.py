@@ -95,6 +95,23 @@ python test/fake/test_three.py
         self.assertEqual(generate(self.project, self.found), files, "regeneration must be byte-identical")
         self.assertEqual(self.check(), [])
 
+    def test_upstream_edit_note_is_below_the_message(self) -> None:
+        # git am and ghstack take the message up to "---": the note is for whoever applies the file, not the PR.
+        text = self.regenerate()["0002-extend.patch"].decode()
+        self.assertExpectedInline(
+            text[text.index("Test Plan:") : text.index("diff --git")],
+            """\
+Test Plan:
+python test/fake/test_two.py
+
+---
+Note: the changes to test/fake/test_upstream.py were made against
+pytorch/pytorch@abc123; the rest of this patch against torch 9.9.0's
+files (apply with `git am -3` on another commit).
+
+""",
+        )
+
     def test_author_is_required(self) -> None:
         toml = self.project.series_toml
         toml.write_text(toml.read_text().replace('author = "Pat Maintainer <pat@example.com>"', ""))
