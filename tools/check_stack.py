@@ -86,18 +86,21 @@ class PrefixResult:
         return self.applied is None and self.imported is None and self.tests_ok
 
     def line(self) -> str:
+        """One line for the prefix, then the details of what failed, indented."""
         after = "".join(f" + {b.file.name}" for b in self.prefix.backports)
         head = f"{self.prefix.entry.file.name}{after}: "
         if self.applied is not None:
             return head + f"NOT applied: {self.applied}"
-        parts = ["applied"]
-        parts.append(f"imported {len(self.modules)} touched" if self.imported is None else "NOT imported")
+        parts = ["applied", f"imported {len(self.modules)} touched" if self.imported is None else "NOT imported"]
+        details = [self.imported] if self.imported else []
         if self.tests is not None:
-            parts.append(f"tests {'passed' if self.tests_ok else 'FAILED'} ({self.tests})")
-        line = head + ", ".join(parts)
+            summary, *failures = self.tests.split("\n")
+            parts.append(f"tests {'passed' if self.tests_ok else 'FAILED'} ({summary})")
+            details += failures
         if self.prefix.without:
-            line += f" (without {', '.join(b.file.name for b in self.prefix.without)}, which does not apply after it)"
-        return line + (f"\n    {self.imported}" if self.imported else "")
+            names = ", ".join(b.file.name for b in self.prefix.without)
+            details.insert(0, f"(checked without {names}: it does not apply this early)")
+        return head + ", ".join(parts) + "".join(f"\n    {line.strip()}" for line in details)
 
 
 def stack(project: Project, base_version: str | None = None) -> list[StackPatch]:
@@ -256,7 +259,7 @@ def check_prefix(
         f"{lines[-1].strip('= ') if lines else f'exit status {proc.returncode}'}, {time.monotonic() - start:.0f} s"
     )
     if proc.returncode != 0:
-        summary += "".join(f"\n    {line}" for line in failure_lines(proc.stdout))
+        summary += "".join(f"\n{line}" for line in failure_lines(proc.stdout))
     return PrefixResult(prefix, None, imported, modules, summary, proc.returncode == 0)
 
 

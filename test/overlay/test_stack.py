@@ -13,6 +13,7 @@ from _patch_project import BASE, make_project
 
 from tools.check_stack import (
     Prefix,
+    PrefixResult,
     check_prefix,
     failure_lines,
     prefixes,
@@ -182,6 +183,35 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
 | 1 | [FSDP] Fix line 3 | 2 / 4 | [#12345](https://github.com/pytorch/pytorch/issues/12345) | `test/fake/test_one.py` |
 | 2 | [2D] Extend alpha and beta | 4 / 8 | - | `test/fake/test_two.py`, `test/fake/test_upstream.py` |""",
         )
+
+    def test_one_line_per_prefix(self) -> None:
+        one, two, backport = stack(self.project, "9.8.0")
+        results = [
+            PrefixResult(Prefix(one, (), {}, without=(backport,)), None, None, ("torch.fake.beta",), "1 passed, 2 s"),
+            PrefixResult(
+                Prefix(two, (backport,), {}),
+                None,
+                None,
+                ("torch.fake.beta",),
+                "1 failed, 3 s\nFAILED test/fake/test_two.py::test_two\nAssertionError: 1 != 2",
+                tests_ok=False,
+            ),
+            PrefixResult(Prefix(backport, (), None), "0003-backport.patch: error: patch failed: torch/fake/alpha.py:9"),
+            PrefixResult(Prefix(backport, (), {}), None, "ImportError: boom"),
+        ]
+        self.assertExpectedInline(
+            "\n".join(r.line() for r in results),
+            """\
+0001-fix-alpha.patch: applied, imported 1 touched, tests passed (1 passed, 2 s)
+    (checked without 0003-backport.patch: it does not apply this early)
+0002-extend.patch + 0003-backport.patch: applied, imported 1 touched, tests FAILED (1 failed, 3 s)
+    FAILED test/fake/test_two.py::test_two
+    AssertionError: 1 != 2
+0003-backport.patch: NOT applied: 0003-backport.patch: error: patch failed: torch/fake/alpha.py:9
+0003-backport.patch: applied, NOT imported
+    ImportError: boom""",
+        )
+        self.assertEqual([r.ok for r in results], [True, False, False, False])
 
     def test_scratch_copy_serves_the_prefix(self) -> None:
         scratch = scratch_project(self.project, self.tmp / "scratch")
