@@ -194,7 +194,7 @@ def offline_stack(project: Project, base: Base, found: Pristine, identity: tuple
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.ghstack_export", description=__doc__.splitlines()[0])
-    parser.add_argument("--pytorch-dir", type=Path, help="a git checkout of pytorch/pytorch")
+    parser.add_argument("--pytorch-dir", default="", help="a git checkout of pytorch/pytorch")
     parser.add_argument("--offline", action="store_true", help="show the stack against ghstack's fake GitHub")
     parser.add_argument("--branch", default=DEFAULT_BRANCH, help=f"branch to create (default {DEFAULT_BRANCH})")
     parser.add_argument("--base", default=None, help="whose series (default: the installed torch's base)")
@@ -210,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             identity = user_identity(project.root)
             print(offline_stack(project, load_manifest().base(base), pristine(project), identity))
             return 0
-        if args.pytorch_dir is None:
+        if not args.pytorch_dir:  # NOTE: never "" (Path("") is this repository)
             raise ExportError("no PyTorch checkout: PYTORCH_DIR=~/pytorch (or GHSTACK_OFFLINE=1 to try it offline)")
-        commits = export_stack(args.pytorch_dir, default_project().patches_dir, base, args.branch)
+        commits = export_stack(Path(args.pytorch_dir), default_project().patches_dir, base, args.branch)
     except (ExportError, BaseSourceError, SeriesError) as e:
         print(f"make ghstack: {e}", file=sys.stderr)
         return 1
