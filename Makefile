@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 .PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
-	bench-unshard apply-patches revert-patches ghstack rebase
+	bench-unshard apply-patches revert-patches ghstack rebase check-stack
 
 install: $(VENV)/.installed
 
@@ -66,6 +66,13 @@ check: install sources
 	$(PY) -m torch_overlay.activate --check
 	$(PY) -m tools.check $(if $(WHEEL),--wheel $(WHEEL))
 
+# Every prefix of the installed base's series applied to its pristine files, its touched modules imported and the
+# tests its last patch adds run, all served from a scratch copy; then the stack rules on the upstream series.
+# CHECK_STACK_ARGS=--import-only skips the tests, --rules-only everything but the rules; --table prints the
+# README's stack table.
+check-stack: install sources
+	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) $(CHECK_STACK_ARGS)
+
 # patches/NNNN-*.patch, patches/series (upstream) and patches/series-<version> (bases that need backports),
 # generated from the overlay and patches/series.toml on the newest base.
 patches: install sources
@@ -78,9 +85,12 @@ apply-patches: install
 revert-patches: install
 	$(PY) -m torch_overlay revert-patches
 
-# One commit per patch on a branch of a PyTorch checkout, then `ghstack submit $(GHSTACK_ARGS)`.
+# One commit per patch on a branch of a PyTorch checkout, by your git identity, then `ghstack submit $(GHSTACK_ARGS)`.
+# GHSTACK_OFFLINE=1: no checkout, no network; prints the PRs it would push, from ghstack's fake GitHub.
+# NO_SUBMIT=1: build the branch only (then rebase it onto upstream main and `ghstack submit`; README, "ghstack").
 ghstack: install
-	$(PY) -m tools.ghstack_export --pytorch-dir "$(PYTORCH_DIR)" $(if $(BASE),--base $(BASE)) -- $(GHSTACK_ARGS)
+	$(PY) -m tools.ghstack_export $(if $(GHSTACK_OFFLINE),--offline,--pytorch-dir "$(PYTORCH_DIR)") \
+		$(if $(BASE),--base $(BASE)) $(if $(NO_SUBMIT),--no-submit) -- $(GHSTACK_ARGS)
 
 # Add a torch release as a base, in place: 3-way merge of the overlay onto its files (a wheel or a
 # site-packages-like directory), then manifest, torch requirement and patches/, checked on every base.

@@ -1,25 +1,39 @@
 """``make ghstack PYTORCH_DIR=...``: the series as a ghstack stack, one commit (and one PR) per patch.
 
 A branch is created from the PyTorch checkout's HEAD, every patch of the base's series is committed onto it
-with ``git am`` (so each commit carries the patch's title and message), then ``ghstack submit`` runs there
-with the arguments given after ``--``. The base is the installed torch's (``--base`` overrides it): the newest
-base's series is the upstream one; an older base's also carries the backports it needs.
+with ``git am`` (so each commit carries the patch's title and message), authored and committed by the user
+(``git config user.name``/``user.email`` there; without them it stops before changing anything), then
+``ghstack submit`` runs there with the arguments given after ``--``. The base is the installed torch's
+(``--base`` overrides it): the newest base's series is the upstream one; an older base's also carries the
+backports it needs.
+
+``--offline`` needs no checkout and no network: the same export runs in a scratch clone holding the base's
+pristine files (and the old side of the upstream test edits), ghstack submits it to its own in-process fake
+GitHub (``ghstack.github_fake``), and the stack it would push is printed, one line per PR.
 
     python -m tools.ghstack_export --pytorch-dir ~/pytorch [--base X.Y.Z] [--branch torch-overlay] [-- ARGS]
+    python -m tools.ghstack_export --offline [--base X.Y.Z]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import io
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from tools.project import default_project
+from tools.patches import read_upstream_edit
+from tools.pristine import BaseSourceError, Pristine, pristine
+from tools.project import Project, default_project
+from tools.series import SeriesError, load_series
 from torch_overlay._git import git_env
 from torch_overlay._git import run as _git_run
 from torch_overlay._guard import BaseMismatchError, check_base
-from torch_overlay._manifest import load_manifest
+from torch_overlay._manifest import Base, load_manifest
 from torch_overlay._patchset import SeriesMissingError, read_series
 
 DEFAULT_BRANCH = "torch-overlay"
@@ -27,6 +41,22 @@ DEFAULT_BRANCH = "torch-overlay"
 
 class ExportError(RuntimeError):
     """The stack cannot be built; the checkout is left as it was."""
+
+
+def user_identity(repo: Path) -> tuple[str, str]:
+    """The (name, email) git commits with in ``repo`` (its config, the user's global and system config).
+
+    Raises, naming what is missing and the commands that set it, when either is not configured: the stack's
+    commits must be the user's, never a placeholder's.
+    """
+    values = [_git(repo, "config", "--get", key).stdout.strip() for key in ("user.name", "user.email")]
+    missing = [key for key, value in zip(("user.name", "user.email"), values, strict=True) if not value]
+    if missing:
+        raise ExportError(
+            f"no git identity to author the stack's commits: {' and '.join(missing)} not set for {repo}.\n"
+            'Set it: git config --global user.name "Your Name" && git config --global user.email you@example.com'
+        )
+    return values[0], values[1]
 
 
 def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -58,6 +88,7 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, base_version: str, branch
     patches = series_patches(patches_dir, base_version)
     if _git(pytorch_dir, "rev-parse", "--git-dir").returncode != 0:
         raise ExportError(f"{pytorch_dir}: not a git checkout of PyTorch (PYTORCH_DIR=...)")
+    user_identity(pytorch_dir)
     if _git(pytorch_dir, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise ExportError(f"{pytorch_dir}: has uncommitted changes; commit or stash them first")
     # NOTE: a detached HEAD (the series' base commit) has no branch to go back to: restore the commit.
@@ -69,6 +100,9 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, base_version: str, branch
     for patch in patches:
         # NOTE: --keep-non-patch: plain `git am` strips every [...] of the subject, our [FSDP] and [2D] tags too.
         applied = _git(pytorch_dir, "am", "--quiet", "--keep-cr", "--keep-non-patch", str(patch.resolve()))
+        if applied.returncode == 0:
+            # NOTE: `git am` keeps the patch's From: (series.toml's fixed author); the PR is the user's.
+            applied = _git(pytorch_dir, "commit", "--quiet", "--amend", "--no-edit", "--no-verify", "--reset-author")
         if applied.returncode != 0:
             _git(pytorch_dir, "am", "--abort")
             back = ["checkout", "--quiet", symbolic] if symbolic else ["checkout", "--quiet", "--detach", head]
@@ -91,9 +125,77 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, base_version: str, branch
     return log
 
 
+def old_side(diff: str) -> bytes:
+    """A stand-in for the file a one-file diff edits: its old lines where the hunks need them, filler between.
+
+    Upstream test files are not in the wheel, so the scratch clone cannot hold them; this is enough for the
+    diff to apply exactly as it would to the real file.
+    """
+    lines: list[str] = []
+    hunk = None
+    for line in diff.splitlines(keepends=True):
+        match = re.match(r"@@ -(\d+)(?:,(\d+))? ", line)
+        if match is not None:
+            start = int(match.group(1)) - (1 if match.group(2) != "0" else 0)
+            lines += ["# (upstream lines not shown)\n"] * (start - len(lines))
+            hunk = True
+        elif hunk and line[:1] in (" ", "-"):
+            lines.append(line[1:])
+    return "".join(lines).encode("utf-8")
+
+
+def offline_base(project: Project, base: Base, found: Pristine) -> dict[str, bytes]:
+    """The files a PyTorch checkout at ``base`` has where the series touches it, for a scratch clone.
+
+    The base's pristine files, and a stand-in (:func:`old_side`) for each upstream test file the series edits.
+    """
+    files = found.files(base)
+    for patch in load_series(project.series_toml):
+        for path in patch.upstream_test_edits:
+            files[path] = old_side(read_upstream_edit(project, path).diff)
+    return files
+
+
+async def _submit_offline(files: dict[str, bytes], patches_dir: Path, base_version: str, identity: tuple[str, str]):
+    import ghstack.test_prelude as gh  # ghstack's own offline harness: a bare upstream, a clone, a fake GitHub
+
+    async with gh.scoped_test(direct=False):
+        checkout = Path(gh.CTX.sh.cwd)
+        for path, content in files.items():
+            (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+            (checkout / path).write_bytes(content)
+        await gh.git("add", "--all")
+        await gh.git("commit", "--quiet", "-m", f"torch {base_version}")
+        await gh.git("push", "--quiet", "origin", "HEAD:main")
+        for key, value in zip(("user.name", "user.email"), identity, strict=True):
+            await gh.git("config", key, value)
+        commits = export_stack(checkout, patches_dir, base_version)
+        authors = _git(checkout, "log", "--format=%an <%ae>", f"-{len(commits)}").stdout.split("\n")
+        await gh.gh_submit("Initial")
+        result = await gh.CTX.github.graphql(
+            'query { repository(name: "pytorch", owner: "pytorch") { pullRequests { nodes { number title } } } }'
+        )
+    prs = sorted(result["data"]["repository"]["pullRequests"]["nodes"], key=lambda pr: pr["number"])
+    return sorted({a for a in authors if a}), [(pr["number"], pr["title"]) for pr in prs]
+
+
+def offline_stack(project: Project, base: Base, found: Pristine, identity: tuple[str, str]) -> str:
+    """What ``ghstack submit`` would push for the base's series, from ghstack's fake GitHub (no network)."""
+    files = offline_base(project, base, found)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            authors, prs = asyncio.run(_submit_offline(files, project.patches_dir, base.version, identity))
+    except Exception as e:
+        raise ExportError(f"the offline submission failed: {e}\n{log.getvalue()[-3000:]}") from e
+    lines = [f"torch {base.version}'s series as ghstack would push it ({len(prs)} PRs, by {', '.join(authors)}):"]
+    return "\n".join(lines + [f"#{number} {title}" for number, title in prs])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.ghstack_export", description=__doc__.splitlines()[0])
-    parser.add_argument("--pytorch-dir", type=Path, required=True, help="a git checkout of pytorch/pytorch")
+    parser.add_argument("--pytorch-dir", default="", help="a git checkout of pytorch/pytorch")
+    parser.add_argument("--offline", action="store_true", help="show the stack against ghstack's fake GitHub")
     parser.add_argument("--branch", default=DEFAULT_BRANCH, help=f"branch to create (default {DEFAULT_BRANCH})")
     parser.add_argument("--base", default=None, help="whose series (default: the installed torch's base)")
     parser.add_argument("--no-submit", action="store_true", help="build the branch only")
@@ -103,8 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         base = args.base or installed_base()
         if load_manifest().base(base) is None:
             raise ExportError(f"--base {base} is not a base ({', '.join(load_manifest().versions)})")
-        commits = export_stack(args.pytorch_dir, default_project().patches_dir, base, args.branch)
-    except ExportError as e:
+        if args.offline:
+            project = default_project()
+            identity = user_identity(project.root)
+            print(offline_stack(project, load_manifest().base(base), pristine(project), identity))
+            return 0
+        if not args.pytorch_dir:  # NOTE: never "" (Path("") is this repository)
+            raise ExportError("no PyTorch checkout: PYTORCH_DIR=~/pytorch (or GHSTACK_OFFLINE=1 to try it offline)")
+        commits = export_stack(Path(args.pytorch_dir), default_project().patches_dir, base, args.branch)
+    except (ExportError, BaseSourceError, SeriesError) as e:
         print(f"make ghstack: {e}", file=sys.stderr)
         return 1
     print(f"make ghstack: {len(commits)} commits (torch {base}'s series) on branch {args.branch} of {args.pytorch_dir}")

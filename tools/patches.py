@@ -2,9 +2,9 @@
 
 Inputs: the pristine files of the newest base (see :mod:`tools.pristine`), the overlay files,
 ``patches/series.toml`` and the tests it names. Each patch's state is committed in a scratch git repository
-with a fixed author and date, and ``git format-patch`` writes the series, so regenerating from the same
-inputs is byte-identical. ``patches/series`` lists the upstream series (what the newest base needs); a base
-that also needs backports gets ``patches/series-<version>``.
+at a fixed date, by the author series.toml records once (its top-level ``author``), and ``git format-patch``
+writes the series, so regenerating from the same inputs is byte-identical. ``patches/series`` lists the
+upstream series (what the newest base needs); a base that also needs backports gets ``patches/series-<version>``.
 
     python -m tools.patches [--wheel TORCH_WHEEL_OR_DIR ...]
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
-from tools.series import Patch, SeriesError, file_states, load_series
+from tools.series import Patch, SeriesError, file_states, load_author, load_series
 from torch_overlay import _git
 from torch_overlay._patchset import SERIES_FILE
 
@@ -43,10 +43,10 @@ class UpstreamEdit:
     diff: str
 
 
-def git(repo: Path, *args: str, input: str | None = None) -> str:
+def git(repo: Path, *args: str, input: str | None = None, identity: tuple[str, str] = _git.AUTHOR) -> str:
     """git in the scratch repository, isolated from the caller's environment and config (:mod:`_git`)."""
     try:
-        return _git.git(repo, *args, input=input)
+        return _git.git(repo, *args, input=input, identity=identity)
     except _git.GitError as e:
         raise PatchError(str(e)) from e
 
@@ -88,7 +88,8 @@ def new_side_problems(project: Project, edit: UpstreamEdit, local: Path) -> list
     return [f"{local_path}: git hash-object {found} is not the new blob {new} of {where}; make them equal"]
 
 
-def commit_message(patch: Patch, edits: list[UpstreamEdit], version: str) -> str:
+def commit_message(patch: Patch) -> str:
+    """The commit message: title, Summary, Test Plan and ``Fixes`` lines, as PyTorch PRs have them."""
     parts = [patch.title, "Summary:\n" + patch.summary]
     if patch.fixed_upstream_in is not None:
         parts.append(
@@ -98,25 +99,36 @@ def commit_message(patch: Patch, edits: list[UpstreamEdit], version: str) -> str
                 width=72,
             )
         )
-    for edit in edits:
-        parts.append(
-            textwrap.fill(
-                f"Note: the changes to {edit.path} were made against {edit.base}; the base of the rest of this "
-                f"patch is torch {version}, whose commit is not available offline to this tool.",
-                width=72,
-            )
-        )
     parts.append("Test Plan:\n" + patch.test_plan)
     if patch.fixes:
         parts.append("\n".join(f"Fixes #{n}" for n in patch.fixes))
     return "\n\n".join(parts) + "\n"
 
 
-def _splice(patch_text: str, edits: list[UpstreamEdit]) -> str:
-    """Add the upstream test edits to a format-patch text, keeping the file sections sorted by path."""
+def edit_notes(edits: list[UpstreamEdit], version: str) -> str:
+    """Where the upstream test edits come from, for whoever applies the patch file.
+
+    NOTE: written below the ``---`` line, where ``git am`` and ``git apply`` ignore text: it is not part of
+    the commit message, so it never reaches the PR that ``ghstack`` makes of the commit.
+    """
+    notes = [
+        textwrap.fill(
+            f"Note: the changes to {edit.path} were made against {edit.base}; the rest of this patch against "
+            f"torch {version}'s files (apply with `git am -3` on another commit).",
+            width=72,
+        )
+        for edit in edits
+    ]
+    return "---\n" + "\n\n".join(notes) + "\n\n" if notes else ""
+
+
+def _splice(patch_text: str, edits: list[UpstreamEdit], version: str) -> str:
+    """Add the upstream test edits to a format-patch text, keeping the file sections sorted by path, and their
+    notes (:func:`edit_notes`) between the message and the diff."""
     if not edits:
         return patch_text
     head, sep, diff = patch_text.partition("\ndiff --git ")
+    head = head + "\n" + edit_notes(edits, version).rstrip("\n") + "\n"
     sections = [("diff --git " + s) for s in diff.split("\ndiff --git ")] if sep else []
     sections = [s if s.endswith("\n") else s + "\n" for s in sections]
     sections += [e.diff if e.diff.endswith("\n") else e.diff + "\n" for e in edits]
@@ -144,6 +156,7 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
     base = found.files(manifest.payload_base)
     try:
         patches = load_series(project.series_toml)
+        author = load_author(project.series_toml)
         unneeded = [p.name for p in patches if not p.needed_on(manifest.bases[0].version)]
         if unneeded:
             raise SeriesError(
@@ -174,8 +187,9 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
             edits = [read_upstream_edit(project, p) for p in patch.upstream_test_edits]
             all_edits.append(edits)
             git(repo, "add", "--all")
-            message = commit_message(patch, edits, manifest.payload_base.version)
-            git(repo, "commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-", input=message)
+            message = commit_message(patch)
+            commit = ["commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-"]
+            git(repo, *commit, input=message, identity=author)
         names = [f"{k:04d}-{p.name}.patch" for k, p in enumerate(patches, 1)]
         formatted = Path(tmp) / "formatted"
         git(
@@ -185,7 +199,7 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
         written = sorted(formatted.iterdir())
         assert len(written) == len(names), f"git format-patch wrote {len(written)} patches for {len(names)}"
         for name, file, edits in zip(names, written, all_edits, strict=True):
-            out[name] = _splice(file.read_text(encoding="utf-8"), edits).encode("utf-8")
+            out[name] = _splice(file.read_text(encoding="utf-8"), edits, manifest.payload_base.version).encode("utf-8")
         out.update(series_indexes(manifest.versions, patches, names))
     return out
 

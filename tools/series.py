@@ -20,6 +20,7 @@ from pathlib import Path
 from torch_overlay._manifest import version_key
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_AUTHOR_RE = re.compile(r"^([^<>]*[^<>\s])\s+<([^<>\s]+@[^<>\s]+)>$")
 
 
 class SeriesError(ValueError):
@@ -119,6 +120,26 @@ def load_series(path: Path) -> list[Patch]:
             "after every other patch, so that the upstream series applies without them; move them to the end"
         )
     return patches
+
+
+def load_author(path: Path) -> tuple[str, str]:
+    """The (name, email) of series.toml's top-level ``author``: the ``From:`` of every generated patch.
+
+    A real identity recorded once, not a placeholder: it is whom a reviewer of ``patches/`` asks, and it is
+    fixed so that regenerating the series is byte-identical. ``make ghstack`` commits with the identity of
+    the user who runs it instead.
+    """
+    try:
+        author = tomllib.loads(path.read_text(encoding="utf-8")).get("author")
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SeriesError(f"{path}: cannot read the series ({e})") from e
+    match = _AUTHOR_RE.match(author.strip()) if isinstance(author, str) else None
+    if match is None:
+        raise SeriesError(
+            f'{path}: the top-level author = "Name <email>" (the From: of the generated patches) is missing or '
+            f"malformed ({author!r}).\nSet it once, from `git config user.name` and `git config user.email`."
+        )
+    return match.group(1), match.group(2)
 
 
 def series_for(patches: list[Patch], version: str) -> list[Patch]:

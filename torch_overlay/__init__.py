@@ -1,8 +1,10 @@
-"""torch-overlay: fixes for TP + DDP composability and FSDP unsharding, served into a stock torch==2.13.0.
+"""torch-overlay: fixes for TP + DDP composability and FSDP unsharding, served into a stock torch.
 
-``activate()`` puts our versions of three ``torch.distributed`` modules in place in this process (before or
-after torch was imported), ``deactivate()`` restores the stock objects exactly, ``status()`` says what is
-active. For every process of an environment, use ``python -m torch_overlay.activate`` instead.
+``activate()`` puts our versions of the upstream modules that ``manifest.json`` lists in place in this process
+(before or after torch was imported), ``deactivate()`` restores the stock objects exactly, ``status()`` says
+what is active. For every process of an environment, use ``python -m torch_overlay.activate`` instead. The
+modules served and the torch releases (bases) they serve, read from the manifest when this package is
+imported, close this docstring.
 
 Importing this package never imports torch, and imports the machinery only when it is used: the start-up hook
 of a persistent install imports this package in every interpreter of the environment.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 
+from torch_overlay._manifest import load_manifest
 from torch_overlay._startup import ENV_VAR, disabled_by_env
 
 __all__ = ["activate", "BaseMismatchError", "deactivate", "OverlayStatus", "status"]
@@ -37,6 +40,23 @@ def deactivate() -> None:
     from torch_overlay._loader import deactivate as deactivate_in_process
 
     deactivate_in_process()
+
+
+def _served() -> str:
+    """What the manifest says is served, and on which bases (the end of this package's docstring)."""
+    try:
+        manifest = load_manifest()  # already loaded by the start-up hook's finder: no cost there
+    except RuntimeError as e:
+        return f"\n(The manifest cannot be read: {e}.)\n"
+    lines = [f"\nBases: torch {', '.join(manifest.versions)}. Served at run time:\n"]
+    lines += [f"- ``{m.path}``\n" for m in manifest.runtime_modules]
+    for m in manifest.modules:
+        if not m.runtime:
+            lines.append(f"Changed in docstrings only, in fork mode and the series, not served: ``{m.path}``.\n")
+    return "".join(lines)
+
+
+__doc__ = (__doc__ or "") + _served()
 
 
 def __getattr__(name: str) -> object:

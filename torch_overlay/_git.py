@@ -23,18 +23,21 @@ class GitError(RuntimeError):
     """A git command failed; the message names the command, the directory and git's error."""
 
 
-def git_env(user_config: bool = False) -> dict[str, str]:
-    """``os.environ`` without any ``GIT_*`` variable; isolated from the user's config unless ``user_config``."""
+def git_env(user_config: bool = False, identity: tuple[str, str] = AUTHOR) -> dict[str, str]:
+    """``os.environ`` without any ``GIT_*`` variable; isolated from the user's config unless ``user_config``.
+
+    Isolated, commits are made by ``identity`` (name, email) at the fixed :data:`DATE`.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env["GIT_TERMINAL_PROMPT"] = "0"
     if not user_config:
         env.update(
             GIT_CONFIG_NOSYSTEM="1",
             GIT_CONFIG_GLOBAL=os.devnull,
-            GIT_AUTHOR_NAME=AUTHOR[0],
-            GIT_AUTHOR_EMAIL=AUTHOR[1],
-            GIT_COMMITTER_NAME=AUTHOR[0],
-            GIT_COMMITTER_EMAIL=AUTHOR[1],
+            GIT_AUTHOR_NAME=identity[0],
+            GIT_AUTHOR_EMAIL=identity[1],
+            GIT_COMMITTER_NAME=identity[0],
+            GIT_COMMITTER_EMAIL=identity[1],
             GIT_AUTHOR_DATE=DATE,
             GIT_COMMITTER_DATE=DATE,
         )
@@ -42,15 +45,19 @@ def git_env(user_config: bool = False) -> dict[str, str]:
 
 
 def run(
-    repo: Path, *args: str, input: bytes | None = None, user_config: bool = False
+    repo: Path, *args: str, input: bytes | None = None, user_config: bool = False, identity: tuple[str, str] = AUTHOR
 ) -> subprocess.CompletedProcess[bytes]:
     """``git -C repo args...`` (bytes in and out, no check): see the module docstring for the environment."""
-    return subprocess.run(["git", "-C", str(repo), *args], input=input, capture_output=True, env=git_env(user_config))
+    env = git_env(user_config, identity)
+    return subprocess.run(["git", "-C", str(repo), *args], input=input, capture_output=True, env=env)
 
 
-def git(repo: Path, *args: str, input: str | None = None, user_config: bool = False) -> str:
+def git(
+    repo: Path, *args: str, input: str | None = None, user_config: bool = False, identity: tuple[str, str] = AUTHOR
+) -> str:
     """``git -C repo args...``, text out; raises :class:`GitError` when it fails."""
-    proc = run(repo, *args, input=None if input is None else input.encode("utf-8"), user_config=user_config)
+    data = None if input is None else input.encode("utf-8")
+    proc = run(repo, *args, input=data, user_config=user_config, identity=identity)
     if proc.returncode != 0:
         stderr = proc.stderr.decode("utf-8", "replace").strip()
         raise GitError(f"git {' '.join(args)} failed in {repo}:\n{stderr}")

@@ -2,9 +2,10 @@
 
 ``patches/series`` is the upstream series, made for the newest base. A base that needs more (a backport of a
 fix that upstream made after it) has its own index, ``patches/series-<version>``, over the same patch files.
-One reader of those indexes and one "scratch tree + ``git apply`` in order" for their three users: fork mode
+One reader of those indexes and one "scratch tree + ``git apply`` in order" for their users: fork mode
 (which applies the ``torch/...`` parts to the installed torch), the sync check (which compares the result
-with the overlay) and the ghstack export (which ``git am``s the files in order).
+with the overlay), the stack check (which applies every prefix) and the ghstack export (which ``git am``s the
+files in order).
 """
 
 from __future__ import annotations

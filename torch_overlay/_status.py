@@ -9,6 +9,7 @@ from pathlib import Path
 from torch_overlay._fork import ForkState, active_state
 from torch_overlay._guard import BaseCheck, BaseMismatchError, check_base
 from torch_overlay._loader import ProcessState, process_state
+from torch_overlay._manifest import load_manifest
 from torch_overlay._persistent import hook_is_current, installed_hook
 from torch_overlay._startup import ENV_VAR
 
@@ -54,6 +55,12 @@ class OverlayStatus:
             rows.append(("base", base))
         else:
             rows.append(("torch", f"not found ({self.base_error})"))
+        manifest = self.base.manifest if self.base is not None else load_manifest()
+        rows.append(("bases", ", ".join(manifest.versions)))
+        rows.append(("served", f"{len(manifest.runtime_modules)} modules at run time (below)"))
+        docstring_only = [m.name for m in manifest.modules if not m.runtime]
+        if docstring_only:
+            rows.append(("not served", f"{', '.join(docstring_only)} (docstrings only: fork mode, series)"))
         hook = self.persistent_hook
         rows.append(("persistent", f"installed ({hook})" if hook else "not installed"))
         fork = self.fork

@@ -30,6 +30,8 @@ OLD_BASE = {"torch/fake/alpha.py": ALPHA.replace("line 20\n", "line 20 old\n"), 
 """The older base, 9.8.0."""
 
 SERIES = '''
+author = "Pat Maintainer <pat@example.com>"
+
 [[patch]]
 name = "fix-alpha"
 title = "[FSDP] Fix line 3"

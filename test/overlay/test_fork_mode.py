@@ -33,6 +33,8 @@ from torch_overlay._manifest import MANIFEST_PATH, load_manifest
 WARNING_FILE = "torch/distributed/fsdp/_unshard_param_utils.py"
 RED_TEST = REPO_ROOT / "test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"
 SERIES = """
+author = "Pat Maintainer <pat@example.com>"
+
 [[patch]]
 name = "warning"
 title = "[FSDP] Fix the offload warning"
@@ -221,6 +223,7 @@ class TestForkInterrupted(expecttest.TestCase):
         project.patches_dir.mkdir()
         claims = ", ".join(f'{{ file = "{p}", match = "fork-kill-test" }}' for p in self.changed)
         project.series_toml.write_text(
+            'author = "Pat Maintainer <pat@example.com>"\n'
             f'[[patch]]\nname = "two"\ntitle = "Two files"\nsummary = "s"\ntest_plan = "t"\nclaims = [{claims}]\n'
         )
         write(project, generate(project, pristine(project)))

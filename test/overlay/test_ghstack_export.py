@@ -8,16 +8,18 @@ the fake GitHub and a clone of it for the contributor's checkout; the checkout g
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 
 import expecttest
 import ghstack.test_prelude as gh
 from _patch_project import BASE, UPSTREAM_TEST_OLD, make_project
 
-from tools.ghstack_export import ExportError, export_stack
+from tools.ghstack_export import ExportError, export_stack, offline_stack, user_identity
 from tools.patches import generate, write
 from tools.pristine import pristine
 
@@ -34,6 +36,11 @@ async def _submit_stack(patches_dir: Path) -> tuple[list[str], list[dict]]:
         await gh.git("config", "user.email", "author@example.com")
         # The checkout is at the newest base (9.9.0): its series is the upstream one, without the backport.
         commits = export_stack(checkout, patches_dir, "9.9.0", "overlay-stack")
+        # The user's identity (the checkout's git config), never the From: of the patches (series.toml's author)
+        identities = subprocess.run(
+            ["git", "log", "--format=%an <%ae> / %cn <%ce>", "-2"], cwd=checkout, capture_output=True, text=True
+        ).stdout
+        assert identities == "A U Thor <author@example.com> / A U Thor <author@example.com>\n" * 2, identities
         await gh.gh_submit("Initial")
         result = await gh.CTX.github.graphql(
             """
@@ -47,11 +54,16 @@ async def _submit_stack(patches_dir: Path) -> tuple[list[str], list[dict]]:
         return commits, result["data"]["repository"]["pullRequests"]["nodes"]
 
 
+def _set_identity(checkout: Path) -> None:
+    subprocess.run(["git", "-C", str(checkout), "config", "user.name", "A"], check=True)
+    subprocess.run(["git", "-C", str(checkout), "config", "user.email", "a@b"], check=True)
+
+
 class TestGhstackExport(expecttest.TestCase):
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
-        self.project, sources = make_project(Path(self._tmp.name))
-        write(self.project, generate(self.project, pristine(self.project, sources)))
+        self.project, self.sources = make_project(Path(self._tmp.name))
+        write(self.project, generate(self.project, pristine(self.project, self.sources)))
 
     def tearDown(self) -> None:
         self._tmp.cleanup()
@@ -87,6 +99,7 @@ Fixes #12345""",
     def test_patch_that_does_not_apply_leaves_checkout_alone(self) -> None:
         checkout = Path(self._tmp.name) / "checkout"
         subprocess.run(["git", "init", "-q", "-b", "main", str(checkout)], check=True)
+        _set_identity(checkout)
         (checkout / "README").write_text("not pytorch\n")
         subprocess.run(["git", "add", "."], cwd=checkout, check=True)
         env = ["-c", "user.name=A", "-c", "user.email=a@b"]
@@ -102,6 +115,7 @@ Fixes #12345""",
     def test_failed_export_restores_a_detached_head(self) -> None:
         checkout = Path(self._tmp.name) / "checkout"
         subprocess.run(["git", "init", "-q", "-b", "main", str(checkout)], check=True)
+        _set_identity(checkout)
         env = ["-c", "user.name=A", "-c", "user.email=a@b"]
         for text in ["one\n", "two\n"]:
             (checkout / "README").write_text(text)
@@ -116,6 +130,45 @@ Fixes #12345""",
         self.assertEqual(subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout, base)
         self.assertEqual(subprocess.run([*git, "branch", "--show-current"], capture_output=True, text=True).stdout, "")
         self.assertNotIn("torch-overlay", subprocess.run([*git, "branch"], capture_output=True, text=True).stdout)
+
+    def test_no_identity_is_an_error_before_any_change(self) -> None:
+        checkout = Path(self._tmp.name) / "checkout"
+        subprocess.run(["git", "init", "-q", "-b", "main", str(checkout)], check=True)
+        env = ["-c", "user.name=A", "-c", "user.email=a@b"]
+        subprocess.run(["git", *env, "commit", "-q", "--allow-empty", "-m", "x"], cwd=checkout, check=True)
+        # No global or system config: HOME and XDG_CONFIG_HOME point at an empty directory.
+        home = {"HOME": self._tmp.name, "XDG_CONFIG_HOME": self._tmp.name, "GIT_CONFIG_NOSYSTEM": "1"}
+        with mock.patch.dict(os.environ, home), mock.patch("torch_overlay._git.git_env", _no_system_config):
+            with self.assertRaises(ExportError) as e:
+                export_stack(checkout, self.project.patches_dir, "9.9.0")
+        self.assertExpectedInline(
+            str(e.exception).replace(str(checkout), "CHECKOUT"),
+            """\
+no git identity to author the stack's commits: user.name and user.email not set for CHECKOUT.
+Set it: git config --global user.name "Your Name" && git config --global user.email you@example.com""",
+        )
+        branches = subprocess.run(["git", "branch"], cwd=checkout, capture_output=True, text=True).stdout
+        self.assertEqual(branches, "* main\n")
+        subprocess.run(["git", "config", "user.email", "me@example.com"], cwd=checkout, check=True)
+        with mock.patch.dict(os.environ, home), mock.patch("torch_overlay._git.git_env", _no_system_config):
+            self.assertRaisesRegex(ExportError, "user.name not set", user_identity, checkout)
+
+    def test_offline_shows_the_stack_it_would_push(self) -> None:
+        base = self.project.manifest().base("9.9.0")
+        found = pristine(self.project, self.sources)
+        self.assertExpectedInline(
+            offline_stack(self.project, base, found, ("Pat Contributor", "pat@example.com")),
+            """\
+torch 9.9.0's series as ghstack would push it (2 PRs, by Pat Contributor <pat@example.com>):
+#500 [FSDP] Fix line 3
+#501 [2D] Extend alpha and beta""",
+        )
+
+
+def _no_system_config(user_config: bool = False, identity: tuple[str, str] = ("x", "y")) -> dict[str, str]:
+    """The user's environment without the system git config (a test machine may set an identity there)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return {**env, "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0"}
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ class TestPatches(expecttest.TestCase):
             header,
             """\
 From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
-From: torch-overlay <torch-overlay@users.noreply.github.com>
+From: Pat Maintainer <pat@example.com>
 Date: Thu, 1 Jan 2026 00:00:00 +0000
 Subject: [PATCH 1/3] [FSDP] Fix line 3
 
@@ -76,7 +76,7 @@ Fixes #12345
             backport,
             """\
 From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
-From: torch-overlay <torch-overlay@users.noreply.github.com>
+From: Pat Maintainer <pat@example.com>
 Date: Thu, 1 Jan 2026 00:00:00 +0000
 Subject: [PATCH 3/3] [FSDP] Backport line 12
 
@@ -94,6 +94,35 @@ python test/fake/test_three.py
         )
         self.assertEqual(generate(self.project, self.found), files, "regeneration must be byte-identical")
         self.assertEqual(self.check(), [])
+
+    def test_upstream_edit_note_is_below_the_message(self) -> None:
+        # git am and ghstack take the message up to "---": the note is for whoever applies the file, not the PR.
+        text = self.regenerate()["0002-extend.patch"].decode()
+        self.assertExpectedInline(
+            text[text.index("Test Plan:") : text.index("diff --git")],
+            """\
+Test Plan:
+python test/fake/test_two.py
+
+---
+Note: the changes to test/fake/test_upstream.py were made against
+pytorch/pytorch@abc123; the rest of this patch against torch 9.9.0's
+files (apply with `git am -3` on another commit).
+
+""",
+        )
+
+    def test_author_is_required(self) -> None:
+        toml = self.project.series_toml
+        toml.write_text(toml.read_text().replace('author = "Pat Maintainer <pat@example.com>"', ""))
+        with self.assertRaises(PatchError) as e:
+            generate(self.project, self.found)
+        self.assertExpectedInline(
+            str(e.exception).replace(str(toml), "series.toml"),
+            """\
+series.toml: the top-level author = "Name <email>" (the From: of the generated patches) is missing or malformed (None).
+Set it once, from `git config user.name` and `git config user.email`.""",
+        )
 
     def apply(self, index: str, base: dict[str, str]) -> Path:
         """A git tree holding ``base`` after `git apply` of every patch ``patches/<index>`` lists."""

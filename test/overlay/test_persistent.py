@@ -53,21 +53,29 @@ class PersistentHookTest(TestCase):
         status = self.cli("--status").stdout.replace(str(self.root), "<tmp>")
         status = re.sub(r"torch: .*\n", "torch: <version> at <path>\n", status)
         status = status.replace(f"torch {check_base().matched.version},", "torch <base>,")
+        # What is served and on which bases comes from the manifest: every runtime module, one row each.
+        manifest = load_manifest()
+        status = status.replace(f"{len(manifest.modules)} files", "<n> files")
+        status = status.replace(f"bases:         {', '.join(manifest.versions)}\n", "bases:         <bases>\n")
+        status = status.replace(f"served:        {len(manifest.runtime_modules)} modules", "served:        <n> modules")
+        not_served = ", ".join(m.name for m in manifest.modules if not m.runtime)
+        status = status.replace(f"not served:    {not_served} (", "not served:    <the docstring-only modules> (")
+        rows = [line.split()[0] for line in status.splitlines() if line.startswith("  ")]
+        self.assertEqual(rows, [m.name for m in manifest.runtime_modules])
+        status = re.sub(r"(  \S+ +not imported\n)+", "  <each runtime module>  not imported\n", status)
         self.assertExpectedInline(
             status,
             """\
 torch: <version> at <path>
-base:          torch <base>, 7 files: matches
+base:          torch <base>, <n> files: matches
+bases:         <bases>
+served:        <n> modules at run time (below)
+not served:    <the docstring-only modules> (docstrings only: fork mode, series)
 persistent:    installed (<tmp>/venv/lib/python3.11/site-packages/torch_overlay_startup.pth)
 fork mode:     not applied
 TORCH_OVERLAY: unset
 this process:  active (the base is checked at the first import of a replaced module)
-  torch.distributed.tensor.parallel._data_parallel_utils  not imported
-  torch.distributed.tensor.parallel.ddp                   not imported
-  torch.distributed.fsdp._unshard_param_utils             not imported
-  torch._dynamo.backends.distributed                      not imported
-  torch.distributed._composable.replicate                 not imported
-  torch.nn.utils.clip_grad                                not imported
+  <each runtime module>  not imported
 """,
         )
         self.assertEqual(self.cli("--check").returncode, 0)

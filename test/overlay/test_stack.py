@@ -1,0 +1,243 @@
+"""``make check-stack``: the stack rules on fixture patches, the changed-line counts, every prefix of a synthetic
+series applied and served from a scratch copy, the stack table; one real prefix served in a fresh interpreter."""
+
+from __future__ import annotations
+
+import tempfile
+import textwrap
+import unittest
+from pathlib import Path
+
+import expecttest
+from _patch_project import BASE, make_project
+
+from tools.check_stack import (
+    Prefix,
+    PrefixResult,
+    check_prefix,
+    failure_lines,
+    prefixes,
+    rule_violations,
+    scratch_project,
+    serve,
+    stack,
+    stack_table,
+)
+from tools.patches import generate, write
+from tools.pristine import pristine
+from tools.project import default_project
+from tools.series import Patch
+from tools.stack_rules import diff_stats, violations
+
+GOOD = Patch(
+    name="good",
+    title="[FSDP] Fix the offload warning",
+    summary="The warning read 'theunsharded'. Add the space.",
+    test_plan="python test/distributed/fsdp/test_fsdp_unshard_offload_warning.py",
+    fixes=(93938,),
+    claims=(),
+    tests=(),
+    upstream_test_edits=(),
+)
+GOOD_MESSAGE = "[FSDP] Fix the offload warning\n\nSummary:\n...\n\nTest Plan:\npython test/x.py\n\nFixes #93938\n"
+
+
+def _diff(path: str, added: int, removed: int = 0, text: str = "x = 1") -> str:
+    body = "".join(f"-{text}\n" for _ in range(removed)) + "".join(f"+{text}\n" for _ in range(added))
+    return f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,{removed} +1,{added} @@\n{body}"
+
+
+class TestStackRules(expecttest.TestCase):
+    def test_a_reviewable_patch_breaks_no_rule(self) -> None:
+        stats = diff_stats(_diff("torch/a.py", 300, 100) + _diff("test/test_a.py", 300))
+        self.assertEqual((stats.code, stats.total), (400, 700))
+        self.assertEqual(violations(GOOD, GOOD_MESSAGE, stats), [])
+
+    def test_every_rule_named(self) -> None:
+        bad = Patch(
+            name="bad",
+            title="[2D] Make the overlay work",
+            summary="\n".join(f"line {n}" for n in range(16)),
+            test_plan="Run the tests.",
+            fixes=(152712,),
+            claims=(),
+            tests=(),
+            upstream_test_edits=(),
+        )
+        message = "[2D] Make it work\n\nSummary:\nSee series.toml; `make check` on every base.\nFixes #93938\n"
+        stats = diff_stats(_diff("torch/a.py", 401) + _diff("test/test_a.py", 300, text="# torch-overlay only"))
+        self.assertExpectedInline(
+            "\n".join(violations(bad, message, stats)),
+            """\
+title must start with one of [DTensor] [FSDP] [DDP] [dynamo]: '[2D] Make the overlay work'
+Summary has 16 lines, at most 15
+Test Plan has no command (a line such as `python test/distributed/...py`)
+the message says Fixes #93938, but series.toml's fixes are #152712
+401 changed lines of code (outside test/), at most 400
+701 changed lines with tests, at most 700
+the message names this project's tooling: 'every base', 'make check', 'series.toml'
+test/test_a.py (added lines) names this project's tooling: 'torch-overlay'""",
+        )
+
+    def test_ordinary_words_are_not_tooling(self) -> None:
+        message = GOOD_MESSAGE + "A frozen base weight; the base class; make the change; the manifold.\n"
+        self.assertEqual(violations(GOOD, message, diff_stats(_diff("torch/a.py", 1))), [])
+
+    def test_diff_stats_reads_hunks_by_their_counts(self) -> None:
+        diff = textwrap.dedent(
+            """\
+            diff --git a/torch/a.py b/torch/a.py
+            --- a/torch/a.py
+            +++ b/torch/a.py
+            @@ -1,3 +1,2 @@
+             keep
+            --- a removed line that looks like a header
+            -x
+            +++ an added line that looks like a header
+            \\ No newline at end of file
+            diff --git a/test/t.py b/test/t.py
+            new file mode 100644
+            --- /dev/null
+            +++ b/test/t.py
+            @@ -0,0 +1 @@
+            +def test(): pass
+            """
+        )
+        stats = diff_stats(diff)
+        self.assertEqual(
+            [(f.path, f.added, f.removed) for f in stats.files], [("torch/a.py", 1, 2), ("test/t.py", 1, 0)]
+        )
+        self.assertEqual((stats.code, stats.total, stats.test_files), (3, 4, ("test/t.py",)))
+
+
+class TestFailureLines(expecttest.TestCase):
+    def test_failed_tests_and_the_deepest_distinct_errors(self) -> None:
+        output = textwrap.dedent(
+            """\
+            E       RuntimeError: Exception in worker process:
+            E         File "x.py", line 3, in f
+            E       NotImplementedError: writeback=True and rank0_only=True is not supported yet
+            E       NotImplementedError: writeback=True and rank0_only=True is not supported yet
+            ===== short test summary info =====
+            FAILED test/a.py::T::test_one - RuntimeError: Exception in worker process:
+            FAILED test/a.py::T::test_two - RuntimeError: Exception in worker process:
+            """
+        )
+        self.assertExpectedInline(
+            "\n".join(failure_lines(output)),
+            """\
+FAILED test/a.py::T::test_one
+FAILED test/a.py::T::test_two
+NotImplementedError: writeback=True and rank0_only=True is not supported yet""",
+        )
+
+
+class TestStackOnSyntheticProject(expecttest.TestCase):
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.tmp = Path(self._tmp.name)
+        self.project, sources = make_project(self.tmp)
+        self.found = pristine(self.project, sources)
+        write(self.project, generate(self.project, self.found))
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def test_every_prefix_of_a_base_series(self) -> None:
+        base = self.project.manifest().base("9.8.0")
+        found = list(prefixes(self.project, base, self.found.files(base)))
+        # The base's backport goes after every prefix of the upstream series, where it applies: after patch 1 its
+        # context (patch 2's line 15) is not there yet.
+        self.assertEqual(
+            [(p.entry.file.name, [b.file.name for b in p.backports], [b.file.name for b in p.without]) for p in found],
+            [
+                ("0001-fix-alpha.patch", [], ["0003-backport.patch"]),
+                ("0002-extend.patch", ["0003-backport.patch"], []),
+                ("0003-backport.patch", [], []),
+            ],
+        )
+        alpha = [p.files["torch/fake/alpha.py"].decode() for p in found]
+        self.assertEqual([("3 fixed" in a, "15 extended" in a, "12 backported" in a) for a in alpha], [
+            (True, False, False), (True, True, True), (True, True, True),
+        ])  # fmt: skip
+        self.assertIn("test/fake/test_two.py", found[1].files)
+        self.assertNotIn("test/fake/test_upstream.py", found[1].files)  # not in the wheel: excluded
+        newest = self.project.manifest().base("9.9.0")
+        found = list(prefixes(self.project, newest, self.found.files(newest)))
+        self.assertEqual([(p.entry.file.name, p.backports, p.error) for p in found], [
+            ("0001-fix-alpha.patch", (), None), ("0002-extend.patch", (), None),
+        ])  # fmt: skip
+
+    def test_rules_and_table_of_the_upstream_stack(self) -> None:
+        self.assertEqual([e.file.name for e in stack(self.project)], ["0001-fix-alpha.patch", "0002-extend.patch"])
+        self.assertExpectedInline(
+            "\n".join(rule_violations(self.project)),
+            "0002-extend.patch: title must start with one of [DTensor] [FSDP] [DDP] [dynamo]: "
+            "'[2D] Extend alpha and beta'",
+        )
+        self.assertExpectedInline(
+            stack_table(self.project),
+            """\
+| # | title | changed lines (code / with tests) | Fixes | tests |
+|---|---|---|---|---|
+| 1 | [FSDP] Fix line 3 | 2 / 4 | [#12345](https://github.com/pytorch/pytorch/issues/12345) | `test/fake/test_one.py` |
+| 2 | [2D] Extend alpha and beta | 4 / 8 | - | `test/fake/test_two.py`, `test/fake/test_upstream.py` |""",
+        )
+
+    def test_one_line_per_prefix(self) -> None:
+        one, two, backport = stack(self.project, "9.8.0")
+        results = [
+            PrefixResult(Prefix(one, (), {}, without=(backport,)), None, None, ("torch.fake.beta",), "1 passed, 2 s"),
+            PrefixResult(
+                Prefix(two, (backport,), {}),
+                None,
+                None,
+                ("torch.fake.beta",),
+                "1 failed, 3 s\nFAILED test/fake/test_two.py::test_two\nAssertionError: 1 != 2",
+                tests_ok=False,
+            ),
+            PrefixResult(Prefix(backport, (), None), "0003-backport.patch: error: patch failed: torch/fake/alpha.py:9"),
+            PrefixResult(Prefix(backport, (), {}), None, "ImportError: boom"),
+        ]
+        self.assertExpectedInline(
+            "\n".join(r.line() for r in results),
+            """\
+0001-fix-alpha.patch: applied, imported 1 touched, tests passed (1 passed, 2 s)
+    (checked without 0003-backport.patch: it does not apply this early)
+0002-extend.patch + 0003-backport.patch: applied, imported 1 touched, tests FAILED (1 failed, 3 s)
+    FAILED test/fake/test_two.py::test_two
+    AssertionError: 1 != 2
+0003-backport.patch: NOT applied: 0003-backport.patch: error: patch failed: torch/fake/alpha.py:9
+0003-backport.patch: applied, NOT imported
+    ImportError: boom""",
+        )
+        self.assertEqual([r.ok for r in results], [True, False, False, False])
+
+    def test_scratch_copy_serves_the_prefix(self) -> None:
+        scratch = scratch_project(self.project, self.tmp / "scratch")
+        self.assertFalse((scratch / "torch_overlay" / "torch").exists())
+        serve(scratch, {"torch/fake/beta.py": BASE["torch/fake/beta.py"].encode()})
+        self.assertEqual((scratch / "torch_overlay/torch/fake/beta.py").read_text(), BASE["torch/fake/beta.py"])
+        self.assertTrue((scratch / "patches/series.toml").is_file())
+        self.assertTrue((scratch / "test/fake/test_one.py").is_file())
+
+
+class TestRealPrefix(unittest.TestCase):
+    def test_a_prefix_is_imported_from_its_own_files(self) -> None:
+        # The prefix's clip_grad.py raises when imported: the fresh interpreter must have imported that one.
+        project = default_project()
+        base = project.manifest().bases[-1]
+        files = pristine(project).files(base)
+        tree = dict(files)
+        tree["torch/nn/utils/clip_grad.py"] += b"\nraise RuntimeError('served from the prefix')\n"
+        entry = stack(project)[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            scratch = scratch_project(project, Path(tmp) / "project")
+            result = check_prefix(project, scratch, Prefix(entry, (), tree), files, import_only=True)
+        self.assertEqual(result.modules, ("torch.nn.utils.clip_grad",))
+        self.assertIn("RuntimeError: served from the prefix", result.imported or "")
+        self.assertFalse(result.ok)
+
+
+if __name__ == "__main__":
+    unittest.main()

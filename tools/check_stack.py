@@ -1,0 +1,337 @@
+"""``make check-stack``: is every prefix of the series a working torch, and does the upstream stack meet the rules?
+
+Upstream lands a stack one PR at a time, so every prefix must stand on its own (bisectable). For the installed
+base's series (``patches/series-<version>``, else ``patches/series``), for k = 1..n: patches 1..k (and the
+base's backports, see :func:`prefixes`) are applied with ``git apply`` onto the base's pristine files; a
+scratch copy of this project, whose payload (``torch_overlay/torch/...``) is that prefix's files, then serves
+them in fresh interpreters, through the same start-up hook the test suite uses (``test/overlay/boot``), so
+the spawned ranks get them too. Each runtime module the prefix touches is imported from it, the other
+touched files are compiled, and (unless ``--import-only``) the test files patch k adds (its ``tests`` in
+series.toml) run with pytest.
+
+Then the stack rules (:mod:`tools.stack_rules`) are checked on every patch of the upstream series.
+
+    python -m tools.check_stack [--import-only] [--rules-only] [--wheel TORCH_WHEEL_OR_DIR ...]
+    python -m tools.check_stack --table   # the README's table of the upstream stack
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.patches import commit_message
+from tools.pristine import BaseSourceError, pristine
+from tools.project import Project, default_project
+from tools.series import Patch, SeriesError, load_series, series_for
+from tools.stack_rules import DiffStats, diff_stats, split_patch, violations
+from torch_overlay._guard import BaseMismatchError, check_base
+from torch_overlay._manifest import Base
+from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
+
+_IMPORT_SCRIPT = """
+import importlib, os, sys
+payload = os.path.realpath(sys.argv[1])
+for name in sys.argv[2:]:
+    origin = os.path.realpath(importlib.import_module(name).__file__)
+    if not origin.startswith(payload + os.sep):
+        sys.exit(f"{name} was imported from {origin}, not from the prefix's files in {payload}")
+"""
+
+
+class StackError(RuntimeError):
+    """The series cannot be read as a stack (a patch file does not match series.toml); the message says why."""
+
+
+@dataclass(frozen=True)
+class StackPatch:
+    """One generated patch of a series, with its series.toml entry."""
+
+    number: int
+    patch: Patch
+    file: Path
+    stats: DiffStats
+
+    @property
+    def message(self) -> str:
+        """The commit message as ``make patches`` writes it (title, Summary, Test Plan, Fixes)."""
+        return commit_message(self.patch)
+
+
+@dataclass(frozen=True)
+class PrefixResult:
+    """What happened to one prefix of the series (patches 1..k)."""
+
+    prefix: Prefix
+    applied: str | None
+    """None when patches 1..k applied, else git's error."""
+    imported: str | None = None
+    """None when every touched file imported (or compiled), else the error; unset when not applied."""
+    modules: tuple[str, ...] = ()
+    tests: str | None = None
+    """pytest's summary line, or None when no tests ran."""
+    tests_ok: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.applied is None and self.imported is None and self.tests_ok
+
+    def line(self) -> str:
+        """One line for the prefix, then the details of what failed, indented."""
+        after = "".join(f" + {b.file.name}" for b in self.prefix.backports)
+        head = f"{self.prefix.entry.file.name}{after}: "
+        if self.applied is not None:
+            return head + f"NOT applied: {self.applied}"
+        parts = ["applied", f"imported {len(self.modules)} touched" if self.imported is None else "NOT imported"]
+        details = [self.imported] if self.imported else []
+        if self.tests is not None:
+            summary, *failures = self.tests.split("\n")
+            parts.append(f"tests {'passed' if self.tests_ok else 'FAILED'} ({summary})")
+            details += failures
+        if self.prefix.without:
+            names = ", ".join(b.file.name for b in self.prefix.without)
+            details.insert(0, f"(checked without {names}: it does not apply this early)")
+        return head + ", ".join(parts) + "".join(f"\n    {line.strip()}" for line in details)
+
+
+def stack(project: Project, base_version: str | None = None) -> list[StackPatch]:
+    """The patches of a base's series (None: the upstream series), read from ``patches/``, in order."""
+    try:
+        files = read_series(project.patches_dir, base_version)
+        patches = load_series(project.series_toml)
+    except (SeriesMissingError, SeriesError) as e:
+        raise StackError(str(e)) from e
+    if base_version is not None:
+        patches = series_for(patches, base_version)
+    else:
+        patches = [p for p in patches if p.fixed_upstream_in is None]
+    names = [f"{k:04d}-{p.name}.patch" for k, p in enumerate(patches, 1)]
+    if names != [f.name for f in files]:
+        raise StackError(f"patches/ lists {[f.name for f in files]}, series.toml gives {names}; run `make patches`")
+    return [
+        StackPatch(k, patch, file, diff_stats(split_patch(file.read_text(encoding="utf-8"))[1]))
+        for k, (patch, file) in enumerate(zip(patches, files, strict=True), 1)
+    ]
+
+
+def rule_violations(project: Project) -> list[str]:
+    """Every stack rule broken by the upstream series, one line each, naming the patch."""
+    return [
+        f"{entry.file.name}: {problem}"
+        for entry in stack(project)
+        for problem in violations(entry.patch, entry.message, entry.stats)
+    ]
+
+
+def stack_table(project: Project) -> str:
+    """The README's table of the upstream stack (markdown): one row per patch, in order."""
+    rows = ["| # | title | changed lines (code / with tests) | Fixes | tests |", "|---|---|---|---|---|"]
+    for entry in stack(project):
+        fixes = ", ".join(f"[#{n}](https://github.com/pytorch/pytorch/issues/{n})" for n in entry.patch.fixes)
+        tests = [t for t in entry.patch.test_files if Path(t).name.startswith("test_")]
+        title = entry.patch.title.replace("|", "\\|")
+        row = [str(entry.number), title, f"{entry.stats.code} / {entry.stats.total}", fixes or "-"]
+        rows.append("| " + " | ".join([*row, ", ".join(f"`{t}`" for t in tests)]) + " |")
+    return "\n".join(rows)
+
+
+def scratch_project(project: Project, dest: Path) -> Path:
+    """A copy of the project (machinery, tests, series.toml) without its payload, to serve a prefix's files."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache")
+    for part in ("torch_overlay", "tools", "test"):
+        if (project.root / part).is_dir():
+            shutil.copytree(project.root / part, dest / part, ignore=ignore)
+    shutil.rmtree(dest / "torch_overlay" / "torch")
+    (dest / "patches").mkdir()
+    shutil.copy2(project.series_toml, dest / "patches" / "series.toml")
+    shutil.copy2(project.pyproject, dest / "pyproject.toml")
+    return dest
+
+
+def serve(scratch: Path, files: dict[str, bytes]) -> None:
+    """Make ``files`` (manifest path -> content) the scratch project's payload."""
+    shutil.rmtree(scratch / "torch_overlay" / "torch", ignore_errors=True)
+    for path, content in files.items():
+        target = scratch / "torch_overlay" / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+
+
+def scratch_env(scratch: Path) -> dict[str, str]:
+    """The environment that serves the scratch payload in a process and all its children (no stale bytecode)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    boot = scratch / "test" / "overlay" / "boot"
+    env.update(PYTHONPATH=f"{boot}{os.pathsep}{scratch}", TORCH_OVERLAY="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """Patches 1..k of a base's series, applied."""
+
+    entry: StackPatch
+    """Patch k."""
+    backports: tuple[StackPatch, ...]
+    """The base's backports applied after patch k (see :func:`prefixes`)."""
+    files: dict[str, bytes] | None
+    """Every file after them; None when they do not apply (``error``)."""
+    error: str | None = None
+    without: tuple[StackPatch, ...] = ()
+    """Backports that do not apply after patch k: the prefix is checked without them."""
+
+
+def prefixes(project: Project, base: Base, pristine_files: dict[str, bytes]) -> Iterator[Prefix]:
+    """Patches 1..k of the base's series applied onto its pristine files, for k = 1..n.
+
+    NOTE: a backport fixes a bug of an older base that upstream has fixed since (it is not part of the
+    upstream stack): each prefix of the upstream series is checked with the base's backports applied after
+    it, as the release it is made for behaves; without them, a prefix's tests would hit that bug. Where a
+    backport does not apply after patch k (its context is a later patch's), the prefix goes without it.
+    """
+    entries = stack(project, base.version)
+    backports = tuple(e for e in entries if e.patch.fixed_upstream_in is not None)
+    edited = [path for e in entries for path in e.patch.upstream_test_edits]
+    # NOTE: upstream test files are not in the wheel; their edits are checked against test/ by `make check`.
+    excludes = [f"--exclude={path}" for path in edited]
+    for k, entry in enumerate(entries, 1):
+        after = tuple(b for b in backports if b not in entries[:k])
+        try:
+            yield Prefix(
+                entry, after, apply_series(pristine_files, [e.file for e in entries[:k] + list(after)], excludes)
+            )
+            continue
+        except PatchApplyError as e:
+            if not after or e.patch not in [b.file for b in after]:
+                yield Prefix(entry, after, None, f"{e.patch.name}: {e.stderr}")
+                continue
+        try:
+            yield Prefix(
+                entry, (), apply_series(pristine_files, [e.file for e in entries[:k]], excludes), without=after
+            )
+        except PatchApplyError as e:
+            yield Prefix(entry, (), None, f"{e.patch.name}: {e.stderr}", after)
+
+
+def check_prefix(
+    project: Project, scratch: Path, prefix: Prefix, pristine_files: dict[str, bytes], import_only: bool,
+    python: str = sys.executable,
+) -> PrefixResult:  # fmt: skip
+    manifest = project.manifest()
+    entry, tree = prefix.entry, prefix.files
+    assert tree is not None, "only a prefix that applied is checked"
+    serve(scratch, {m.path: tree[m.path] for m in manifest.runtime_modules})
+    touched = [m for m in manifest.modules if tree[m.path] != pristine_files[m.path]]
+    modules = tuple(m.name for m in touched if m.runtime)
+    env = scratch_env(scratch)
+    imported = None
+    for m in touched:
+        try:
+            compile(tree[m.path], m.path, "exec")
+        except SyntaxError as e:
+            imported = f"{m.path}: {e}"
+    if imported is None and modules:
+        payload = str(scratch / "torch_overlay")
+        proc = subprocess.run(
+            [python, "-c", _IMPORT_SCRIPT, payload, *modules], cwd=scratch, env=env, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            imported = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    result = PrefixResult(prefix, None, imported, modules)
+    tests = [t for t in entry.patch.tests if Path(t).name.startswith("test_")]
+    if import_only or imported is not None or not tests:
+        return result
+    start = time.monotonic()
+    proc = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=scratch, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    summary = (
+        f"{lines[-1].strip('= ') if lines else f'exit status {proc.returncode}'}, {time.monotonic() - start:.0f} s"
+    )
+    if proc.returncode != 0:
+        summary += "".join(f"\n{line}" for line in failure_lines(proc.stdout))
+    return PrefixResult(prefix, None, imported, modules, summary, proc.returncode == 0)
+
+
+def failure_lines(output: str, limit: int = 8) -> list[str]:
+    """What a failed pytest run says went wrong: each failed test, and each distinct error (deepest first)."""
+    failed = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    errors = re.findall(r"^E +((?:\w+\.)*\w+(?:Error|Exception|Interrupt)\b.*)$", output, re.MULTILINE)
+    errors = [e for e in dict.fromkeys(reversed(errors)) if "Exception in worker process" not in e]
+    return [line.split(" - ")[0] for line in failed][:limit] + errors[:limit]
+
+
+def check_stack(
+    project: Project, base: Base, pristine_files: dict[str, bytes], import_only: bool,
+    report: Callable[[str], None] = print,
+) -> list[PrefixResult]:  # fmt: skip
+    """Check every prefix of the base's series, reporting one line per prefix as it goes."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="torch-overlay-stack-") as tmp:
+        scratch = scratch_project(project, Path(tmp) / "project")
+        for prefix in prefixes(project, base, pristine_files):
+            if prefix.error is not None:
+                result = PrefixResult(prefix, prefix.error)
+            else:
+                result = check_prefix(project, scratch, prefix, pristine_files, import_only)
+            results.append(result)
+            report(result.line())
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.check_stack", description=__doc__.splitlines()[0])
+    parser.add_argument("--import-only", action="store_true", help="apply and import every prefix; run no tests")
+    parser.add_argument("--rules-only", action="store_true", help="check the stack rules only")
+    parser.add_argument("--table", action="store_true", help="print the README's stack table (markdown) and exit")
+    parser.add_argument(
+        "--wheel", type=Path, action="append", default=[], help="a torch wheel or site-packages-like directory"
+    )
+    args = parser.parse_args(argv)
+    project = default_project()
+    failed = False
+    try:
+        if args.table:
+            print(stack_table(project))
+            return 0
+        if not args.rules_only:
+            try:
+                base = check_base().matched
+            except BaseMismatchError as e:
+                raise StackError(str(e)) from e
+            if base is None:
+                raise StackError("the installed torch is not a base; run it in a base venv (make TORCH=<version>)")
+            files = pristine(project, args.wheel).files(base)
+            start = time.monotonic()
+            print(f"check-stack: torch {base.version}, every prefix of its series")
+            results = check_stack(project, base, files, args.import_only)
+            bad = [r for r in results if not r.ok]
+            failed = bool(bad)
+            what = "applied and imported" if args.import_only else "applied, imported and tested"
+            verdict = f"{len(bad)} of {len(results)} prefixes FAILED" if bad else f"all {len(results)} prefixes {what}"
+            print(f"check-stack: torch {base.version}: {verdict} ({time.monotonic() - start:.0f} s)")
+        problems = rule_violations(project)
+    except (StackError, BaseSourceError) as e:
+        print(f"make check-stack: {e}", file=sys.stderr)
+        return 1
+    for problem in problems:
+        print(f"stack rule broken: {problem}")
+    if problems:
+        print(f"check-stack: {len(problems)} stack rule violations in the upstream series (README, 'Patches')")
+    else:
+        print("check-stack: every patch of the upstream series meets the stack rules")
+    return 1 if failed or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
