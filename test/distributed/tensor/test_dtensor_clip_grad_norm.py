@@ -188,9 +188,9 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
             plain = [nn.Parameter(torch.empty_like(g)) for g in full]
             params = [
                 nn.Parameter(distribute_tensor(g, mesh, pl))
-                for g, pl in zip(full, placements)
+                for g, pl in zip(full, placements, strict=True)
             ]
-            for p, q, g, pl in zip(plain, params, full, placements):
+            for p, q, g, pl in zip(plain, params, full, placements, strict=True):
                 p.grad = g.clone()
                 q.grad = distribute_tensor(g, mesh, pl)
             norm = clip_grad_norm_(plain, 0.5, norm_type)
@@ -199,7 +199,7 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
             dnorm = clip_grad_norm_(params, 0.5, norm_type)
             self.assertIsInstance(dnorm, DTensor)
             self.assertEqual(dnorm.full_tensor(), norm)
-            for p, q in zip(plain, params):
+            for p, q in zip(plain, params, strict=True):
                 self.assertEqual(q.grad.full_tensor(), p.grad)
 
 
