@@ -86,7 +86,7 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
     world_size = 4
 
     def _layout(self, layout):
-        """A reference model and ``(model, wrapped)`` in ``layout`` on a (dp, tp) mesh,
+        """A reference model, the same in ``layout`` on a (dp, tp) mesh, its wrapper,
         and the all-reduces its clip takes."""
         mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(0)
