@@ -12,8 +12,8 @@ two linear layers (48 TP parameters: weights and biases, ColwiseParallel / Rowwi
     (the first version of transformers' DTensor clip), then scales the local shards.
 
 Per configuration: the time of one ``clip_grad_norm_`` (median over repeats of the slowest rank; configurations in
-rotated order), its ratio to (c), the collectives of one call (``CommDebugMode``), and the bytes they gather. On
-CPU the gathered bytes stand for the transient extra memory: the largest gathered gradient is held at once.
+rotated order), its ratio to (c), the collectives of one call (``CommDebugMode``), the bytes they gather, and the
+largest single gather: the transient extra memory of a clip that gathers one gradient at a time.
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ def full_tensor_clip(parameters: list[torch.Tensor], max_norm: float) -> torch.T
 
 
 def comm_figures(clip: Callable[[], object]) -> dict[str, int]:
-    """Collectives of one call (by op name) and the bytes gathered (outputs of all-gathers)."""
+    """Collectives of one call (by op name), the bytes gathered (outputs of all-gathers) and the largest gather."""
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class GatheredBytes(TorchDispatchMode):
-        gathered = 0
+        gathered = largest = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -124,6 +124,7 @@ def comm_figures(clip: Callable[[], object]) -> dict[str, int]:
                     for x in t if isinstance(t, list) else [t]:
                         if isinstance(x, torch.Tensor):
                             GatheredBytes.gathered += x.numel() * x.element_size()
+                            GatheredBytes.largest = max(GatheredBytes.largest, x.numel() * x.element_size())
             return out
 
     with CommDebugMode() as comm, GatheredBytes():
@@ -131,6 +132,7 @@ def comm_figures(clip: Callable[[], object]) -> dict[str, int]:
     figures = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items() if n}
     figures["collectives"] = sum(comm.get_comm_counts().values())
     figures["gathered_bytes"] = GatheredBytes.gathered
+    figures["largest_gather"] = GatheredBytes.largest
     return figures
 
 
@@ -201,13 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     times = {rank: t for rank, t, _ in gathered}
     comms = {rank: c for rank, _, c in gathered}
     medians = {kind: statistics.median(slowest(t[kind] for t in times.values())) for kind in NAMES}
-    print(f"\n{'':<38}{'ms/clip':>9}{'x stock':>9}{'collectives':>13}  {'gathered bytes':>15}  ops")
+    print(f"\n{'':<38}{'ms/clip':>9}{'x stock':>9}{'collectives':>13}{'gathered bytes':>16}{'largest':>12}  ops")
     for kind, name in NAMES.items():
         worst = max(comms.values(), key=lambda c: c[kind]["gathered_bytes"])[kind]
-        ops = ", ".join(f"{op} {n}" for op, n in worst.items() if op not in ("collectives", "gathered_bytes"))
+        ops = ", ".join(
+            f"{op} {n}" for op, n in worst.items() if op not in ("collectives", "gathered_bytes", "largest_gather")
+        )
         print(
             f"{name:<38}{medians[kind] * 1e3:>9.2f}{medians[kind] / medians['stock']:>9.2f}"
-            f"{worst['collectives']:>13}  {worst['gathered_bytes']:>15,}  {ops}"
+            f"{worst['collectives']:>13}{worst['gathered_bytes']:>16,}{worst['largest_gather']:>12,}  {ops}"
         )
     return 0
 
