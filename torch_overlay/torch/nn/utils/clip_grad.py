@@ -262,8 +262,9 @@ def _clip_grads_with_norm_(
     if len(grads) == 0:
         return
     if _spans_meshes([*grads, total_norm]):
-        # DTensor ops cannot scale gradients on several meshes, or with plain ones, by
-        # one coefficient: scale the local shards by a plain one, the same on every rank.
+        # DTensor ops cannot scale gradients on several meshes, or with plain ones,
+        # by one coefficient: scale the local shards by a plain one, the same on
+        # every rank.
         DTensor = _dtensor_type()
         if isinstance(total_norm, DTensor):
             total_norm = total_norm.full_tensor()
