@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 .PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
-	bench-unshard apply-patches revert-patches ghstack rebase check-stack
+	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack
 
 install: $(VENV)/.installed
 
@@ -108,3 +108,7 @@ bench-unshard: install
 # TP + DDP: swap-hook cost vs a bare DTensor.from_local loop; step time vs stock DDP and FSDP2 (4 ranks, CPU; ~1 min).
 bench-tp-ddp: install
 	$(PY) -m tools.bench_tp_ddp
+
+# clip_grad_norm_ over FSDP2 + TP (two meshes) vs stock FSDP2 on one mesh vs a full_tensor() clip (4 ranks, CPU; ~1 min).
+bench-clip: install
+	$(PY) -m tools.bench_clip

@@ -1,6 +1,7 @@
 # mypy: allow-untyped-decorators
 # mypy: allow-untyped-defs
 import functools
+import sys
 import types
 import typing
 import warnings
@@ -45,31 +46,99 @@ def _no_grad(func: Callable[_P, _R]) -> Callable[_P, _R]:
     return _no_grad_wrapper
 
 
-def _tensor_norms(
+def _dtensor_type() -> type | None:
+    # DTensors exist only once their module is imported; plain tensors never import it.
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _spans_meshes(tensors: list[Tensor]) -> bool:
+    r"""Whether ``tensors`` mix DTensors with plain tensors or span several meshes.
+
+    DTensor ops compute the norm of DTensors on one mesh (the result is a DTensor),
+    but they cannot stack norms from several meshes or mix DTensors with plain
+    tensors: such tensors take :func:`_norms_over_meshes` instead.
+    """
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return False
+    meshes = {t.device_mesh for t in tensors if isinstance(t, DTensor)}
+    return len(meshes) > 1 or (
+        len(meshes) == 1 and not all(isinstance(t, DTensor) for t in tensors)
+    )
+
+
+def _norms_over_meshes(
     tensors: list[Tensor], norm_type: float, foreach: bool | None
 ) -> list[Tensor]:
-    r"""Compute the norm of each tensor (in no particular order), with foreach where supported."""
-    grouped_tensors: dict[
-        tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]
-    ] = _group_tensors_by_device_and_dtype(  # pyrefly: ignore [bad-assignment]
-        [tensors]  # type: ignore[list-item]
-    )  # type: ignore[assignment]
+    r"""Compute the norms of plain tensors and DTensors on any meshes, one per set of
+    process groups their local shards are reduced over: their norm is the total.
 
-    norms: list[Tensor] = []
-    for (device, _), ([device_tensors], _) in grouped_tensors.items():
-        if (foreach is None and _has_foreach_support(device_tensors, device)) or (
-            foreach and _device_has_foreach_support(device)
-        ):
-            norms.extend(torch._foreach_norm(device_tensors, norm_type))
-        elif foreach:
-            raise RuntimeError(
-                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
-            )
-        else:
-            norms.extend(
-                [torch.linalg.vector_norm(g, norm_type) for g in device_tensors]
-            )
-    return norms
+    NOTE: The norm of a DTensor is computed from its local shard. The local norms of
+    all DTensors sharded over the same process groups are reduced together, in
+    float32 or wider (a sum of p-th powers; the max for ``inf``, the min for
+    ``-inf``), with one all-reduce per process group, whatever the number of
+    tensors or meshes: no gradient is gathered, and FSDP2 + TP (the TP parameters on
+    a 2-D mesh, the others on its data parallel mesh) takes two all-reduces.
+    ``Replicate`` mesh dimensions and plain tensors count once, locally. As for any
+    DTensor op, every rank must call this with tensors of the same layouts.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if norm_type == 0:
+        raise ValueError(
+            "norm_type=0 counts the tensors with a nonzero element, which the local "
+            "shards of DTensors on several meshes or with plain tensors cannot count."
+        )
+    # An empty shard (uneven sharding) contributes the reduction's identity.
+    identity = float("inf") if norm_type < 0 else 0.0
+    by_groups: dict[tuple[dist.ProcessGroup, ...], list[Tensor]] = {}
+    for t in tensors:
+        groups = []
+        if isinstance(t, DTensor):
+            for dim, placement in enumerate(t.placements):
+                if isinstance(placement, (Shard, _StridedShard)):
+                    groups.append(t.device_mesh.get_group(dim))
+                elif not isinstance(placement, Replicate):
+                    raise ValueError(
+                        f"Cannot compute the norm of a DTensor with placement "
+                        f"{placement!r} from its local shard; redistribute it to "
+                        "Shard or Replicate first."
+                    )
+            t = t.to_local()
+            if t.numel() == 0:
+                t = t.new_full((1,), identity)
+        by_groups.setdefault(tuple(groups), []).append(t)
+    local = {
+        groups: _get_total_norm(local_tensors, norm_type, False, foreach)
+        for groups, local_tensors in by_groups.items()
+    }
+    # The p-th powers of the local norms, summed; or their max for inf, min for -inf.
+    power, op = norm_type, dist.ReduceOp.SUM
+    if norm_type in (float("inf"), -float("inf")):
+        power = 1.0
+        op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
+    norms = {
+        groups: norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(power)
+        for groups, norm in local.items()
+    }
+    # One all-reduce per process group, for the norms of all tensors sharded over it.
+    for group in dict.fromkeys(group for groups in norms for group in groups):
+        keys = [groups for groups in norms if group in groups]
+        flat = torch.stack([norms[groups] for groups in keys])
+        if op != dist.ReduceOp.SUM:
+            # MAX and MIN may drop a NaN: flag each NaN so that every rank keeps it.
+            flag = 1.0 if op == dist.ReduceOp.MAX else -1.0
+            flat = torch.cat([flat, flat.isnan().to(flat.dtype) * flag])
+        dist.all_reduce(flat, op=op, group=group)
+        if op != dist.ReduceOp.SUM:
+            flat, nan = flat.chunk(2)
+            flat = flat.masked_fill(nan != 0, float("nan"))
+        norms.update(zip(keys, flat.unbind(), strict=True))
+    return [
+        norm.pow(1.0 / power).to(local[groups].dtype) for groups, norm in norms.items()
+    ]
 
 
 @_no_grad
@@ -99,6 +168,11 @@ def _get_total_norm(
 
     Returns:
         Total norm of the tensors (viewed as a single vector).
+
+    DTensors count as the tensors they are shards of. On several device meshes or
+    with plain tensors, the norms of their local shards are reduced over the process
+    groups they are sharded over (so every rank of those must call this), and the
+    result is a plain tensor; DTensors on one mesh give a DTensor.
     """
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
@@ -108,7 +182,29 @@ def _get_total_norm(
     if len(tensors) == 0:
         return torch.tensor(0.0)
     first_device = tensors[0].device
-    norms = _tensor_norms(tensors, norm_type, foreach)
+    if _spans_meshes(tensors):
+        # The norms of the local shards, reduced over their meshes, stand for them
+        tensors = _norms_over_meshes(tensors, norm_type, foreach)
+    grouped_tensors: dict[
+        tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]
+    ] = _group_tensors_by_device_and_dtype(  # pyrefly: ignore [bad-assignment]
+        [tensors]  # type: ignore[list-item]
+    )  # type: ignore[assignment]
+
+    norms: list[Tensor] = []
+    for (device, _), ([device_tensors], _) in grouped_tensors.items():
+        if (foreach is None and _has_foreach_support(device_tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            norms.extend(torch._foreach_norm(device_tensors, norm_type))
+        elif foreach:
+            raise RuntimeError(
+                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+            )
+        else:
+            norms.extend(
+                [torch.linalg.vector_norm(g, norm_type) for g in device_tensors]
+            )
 
     total_norm = torch.linalg.vector_norm(
         torch.stack([norm.to(first_device) for norm in norms]), norm_type
@@ -122,74 +218,6 @@ def _get_total_norm(
             "set `error_if_nonfinite=False`"
         )
     return total_norm
-
-
-def _norms_of_localized_shards(
-    parameters: list[torch.Tensor],
-    norm_type: float,
-    foreach: bool | None,
-) -> list[Tensor]:
-    r"""Compute the norm of each gradient of ``parameters``, some of them local shards.
-
-    ``DistributedDataParallel`` and ``replicate`` with a ``device_mesh`` over a
-    tensor parallel model replace each DTensor parameter by its local shard,
-    which carries the DTensor's spec as ``_st_info``. The norm of such a
-    gradient is that of the DTensor gradient it is a shard of, as with tensor
-    parallelism alone: the norms of the local shards are reduced over their mesh,
-    one collective per mesh for all of its gradients, in float32, so every rank of
-    the mesh gets the same norms and must call this. A norm computed from the
-    local shards alone differs from rank to rank, and the ranks would clip their
-    shards by different coefficients. Replicated and plain gradients are taken
-    as they are.
-    """
-    import torch.distributed as dist
-    from torch.distributed.tensor import Partial, Replicate
-
-    taken_as_they_are: list[Tensor] = []
-    sharded_by_mesh: dict[object, list[Tensor]] = {}
-    for p in parameters:
-        if p.grad is None:
-            continue
-        spec = getattr(p, "_st_info", None)
-        if spec is None or all(
-            isinstance(pl, (Replicate, Partial)) for pl in spec.placements
-        ):
-            taken_as_they_are.append(p.grad)
-        elif spec.mesh.ndim != 1:
-            raise NotImplementedError(
-                "clip_grad_norm_: a parameter is the local shard of a DTensor on a "
-                f"{spec.mesh.ndim}-D mesh ({spec.placements}); only shards over a "
-                "1-D mesh (tensor parallelism under DistributedDataParallel or "
-                "replicate) are supported. Compute the norm from DTensor gradients "
-                "and clip with torch.nn.utils.clip_grads_with_norm_."
-            )
-        else:
-            sharded_by_mesh.setdefault(spec.mesh, []).append(p.grad)
-    norms = _tensor_norms(taken_as_they_are, norm_type, foreach)
-    for mesh, grads in sharded_by_mesh.items():
-        # Empty shards (uneven sharding) contribute the reduction's identity.
-        identity = float("inf") if norm_type == -float("inf") else 0.0
-        local = torch.stack(
-            [
-                torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                if g.numel() > 0
-                else torch.tensor(identity, device=g.device)
-                for g in grads
-            ]
-        )
-        if norm_type == float("inf"):
-            op = dist.ReduceOp.MAX
-        elif norm_type == -float("inf"):
-            op = dist.ReduceOp.MIN
-        else:
-            op = dist.ReduceOp.SUM
-            if norm_type != 0:
-                local = local.pow(norm_type)
-        dist.all_reduce(local, op=op, group=mesh.get_group())  # type: ignore[attr-defined]
-        if op == dist.ReduceOp.SUM and norm_type != 0:
-            local = local.pow(1.0 / norm_type)
-        norms.extend(n.to(g.dtype) for n, g in zip(local, grads))
-    return norms
 
 
 @_no_grad
@@ -233,6 +261,14 @@ def _clip_grads_with_norm_(
     max_norm = float(max_norm)
     if len(grads) == 0:
         return
+    if _spans_meshes([*grads, total_norm]):
+        # DTensor ops cannot scale gradients on several meshes, or with plain ones,
+        # by one coefficient: scale the local shards by a plain one, the same on
+        # every rank.
+        DTensor = _dtensor_type()
+        if isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     grouped_grads: dict[
         tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]
     ] = _group_tensors_by_device_and_dtype([grads])  # type: ignore[assignment]
@@ -257,6 +293,30 @@ def _clip_grads_with_norm_(
                 g.mul_(clip_coef_clamped_device)
 
 
+def _grad_as_dtensor(param: Tensor) -> Tensor:
+    r"""Return ``param.grad``, as a DTensor if ``param`` is the local shard of one.
+
+    ``DistributedDataParallel`` and ``replicate`` with a ``device_mesh`` train each
+    DTensor parameter of a tensor parallel model as a plain parameter, its local
+    shard, which carries the DTensor's spec as ``_st_info``. Its gradient counts as
+    the DTensor gradient it is a shard of (a norm of the local shards alone differs
+    from rank to rank); the view is zero-copy.
+    """
+    spec = getattr(param, "_st_info", None)
+    if spec is None:
+        return param.grad
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        param.grad,
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.shape,
+        stride=spec.stride,
+    )
+
+
 @_no_grad
 def clip_grad_norm_(
     parameters: _tensor_or_tensors,
@@ -273,10 +333,10 @@ def clip_grad_norm_(
 
     This function is equivalent to :func:`torch.nn.utils.get_total_norm` followed by
     :func:`torch.nn.utils.clip_grads_with_norm_` with the ``total_norm`` returned by ``get_total_norm``.
-    The exception are the local shards of tensor parallel parameters that
-    ``DistributedDataParallel`` or ``replicate`` with a ``device_mesh`` hold: their
-    gradients count as the DTensor gradients they are shards of, which takes a
-    collective over their mesh, so every rank of it must call this function.
+    The local shards of tensor parallel parameters that ``DistributedDataParallel``
+    or ``replicate`` with a ``device_mesh`` train carry their DTensor's spec as
+    ``_st_info``; their gradients count as the DTensor gradients they are shards of.
+    (Pass ``get_total_norm`` DTensor views of them, ``DTensor.from_local``.)
 
     Args:
         parameters (Iterable[Tensor] or Tensor): an iterable of Tensors or a
@@ -306,13 +366,8 @@ def clip_grad_norm_(
                 "`parameters` is an empty generator, no gradient clipping will occur.",
                 stacklevel=3,
             )
-    if any(hasattr(p, "_st_info") for p in parameters):
-        # Local shards of tensor parallel parameters, localized for data parallelism
-        norms = _norms_of_localized_shards(parameters, float(norm_type), foreach)
-        total_norm = _get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
-    else:
-        grads = [p.grad for p in parameters if p.grad is not None]
-        total_norm = _get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    grads = [_grad_as_dtensor(p) for p in parameters if p.grad is not None]
+    total_norm = _get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     return total_norm
 

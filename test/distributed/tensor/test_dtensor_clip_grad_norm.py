@@ -1,0 +1,216 @@
+# Owner(s): ["oncall: distributed"]
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import (
+    distribute_tensor,
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+)
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    parallelize_module,
+    RowwiseParallel,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TEST_WITH_DEV_DBG_ASAN,
+)
+from torch.testing._internal.distributed._tensor.common_dtensor import (
+    DTensorContinuousTestBase,
+)
+
+
+if not dist.is_available():
+    print("Distributed not available, skipping tests", file=sys.stderr)
+    sys.exit(0)
+
+if TEST_WITH_DEV_DBG_ASAN:
+    print("Skip dev-asan as torch + multiprocessing spawn have known issues")
+    sys.exit(0)
+
+DIM = 8
+INF = float("inf")
+
+
+class Net(nn.Module):
+    """A TP block between plain layers; ``head`` has one output, so FSDP2 leaves
+    one rank with empty shards of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.net1 = nn.Linear(DIM, 2 * DIM)
+        self.net2 = nn.Linear(2 * DIM, DIM)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        return self.head(self.net2(F.relu(self.net1(self.embed(x)))))
+
+
+def dtensor_grad(param):
+    """``param.grad``, as a DTensor view if ``param`` is the local shard of one."""
+    spec = getattr(param, "_st_info", None)
+    if spec is None:
+        return param.grad
+    return DTensor.from_local(
+        param.grad,
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.shape,
+        stride=spec.stride,
+    )
+
+
+def full_grad(param):
+    grad = dtensor_grad(param)
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+class TestClipGradNormLayouts(DTensorContinuousTestBase):
+    world_size = 4
+
+    def _layout(self, layout, dtype=torch.float32):
+        """A reference model, the same in ``layout`` on a (dp, tp) mesh, its wrapper,
+        and the all-reduces its clip takes."""
+        mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        ref = Net().to(self.device_type, dtype)
+        model = copy.deepcopy(ref)
+        plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], plan)
+        if layout == "fsdp2_tp":
+            # TP parameters on the 2-D mesh, the others on the dp mesh
+            fully_shard(model, mesh=mesh["dp"])
+            return ref, model, model, 2
+        if layout == "ddp_tp":
+            # Local shards of the TP parameters, with their spec as _st_info
+            return ref, model, DDP(model, device_mesh=mesh["dp"]), 1
+        return ref, model, model, 1  # "tp": DTensor and plain parameters
+
+    def _backward(self, ref, wrapped, scale=1.0):
+        torch.manual_seed(1)  # the same batch on every rank
+        x = torch.randn(4, DIM, device=self.device_type) * scale
+        x = x.to(next(ref.parameters()).dtype)
+        ref(x).pow(2).sum().backward()
+        wrapped(x).pow(2).sum().backward()
+
+    @parametrize("layout", ["fsdp2_tp", "tp", "ddp_tp"])
+    def test_clip_grad_norm(self, layout):
+        self.run_subtests(
+            {
+                "norm_type": [2, INF, 1, 3, -INF],
+                "foreach": [None, True, False],
+                "two_step": [False, True],
+            },
+            self._test_clip_grad_norm,
+            layout,
+        )
+        # Gradient norms whose squares overflow float16
+        self._test_clip_grad_norm(layout, 2, None, False, torch.float16)
+
+    def _test_clip_grad_norm(
+        self, layout, norm_type, foreach, two_step, dtype=torch.float32
+    ):
+        ref, model, wrapped, all_reduces = self._layout(layout, dtype)
+        self._backward(ref, wrapped, 1.0 if dtype == torch.float32 else 100.0)
+        max_norm = 0.05  # clipping is active
+        ref_norm = clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        with CommDebugMode() as comm_mode:
+            if two_step:
+                grads = [dtensor_grad(p) for p in model.parameters()]
+                norm = get_total_norm(grads, norm_type, foreach=foreach)
+                clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach)
+            else:
+                norm = clip_grad_norm_(
+                    model.parameters(), max_norm, norm_type, foreach=foreach
+                )
+        # One all-reduce of the local norms per process group: no gradient gathered
+        self.assertEqual(
+            comm_mode.get_comm_counts(), {torch.ops.c10d.allreduce_: all_reduces}
+        )
+        self.assertNotIsInstance(norm, DTensor)
+        # float16: TP's matmuls round differently from the reference's
+        tol = {"atol": 1e-5, "rtol": 1e-5}
+        if dtype == torch.float16:
+            tol = {"atol": 1e-2, "rtol": 1e-2}
+        self.assertEqual(norm, ref_norm, **tol)
+        self.assertTrue(ref_norm > max_norm or norm_type == -INF)
+        ref_grads = dict(ref.named_parameters())
+        for name, param in model.named_parameters():
+            self.assertEqual(full_grad(param), ref_grads[name].grad, **tol, msg=name)
+
+    @parametrize("layout", ["fsdp2_tp", "tp", "ddp_tp"])
+    def test_nonfinite_grad_on_one_rank(self, layout):
+        self.run_subtests(
+            {"value": [INF, float("nan")], "norm_type": [2, INF]},
+            self._test_nonfinite_grad_on_one_rank,
+            layout,
+        )
+
+    def _test_nonfinite_grad_on_one_rank(self, layout, value, norm_type):
+        ref, model, wrapped, _ = self._layout(layout)
+        self._backward(ref, wrapped)
+        # One shard of the gradient: FSDP2's on rank 0, TP's on tp rank 0 of each replica
+        if self.rank == 0 or (layout != "fsdp2_tp" and self.rank % 2 == 0):
+            grad = model.net1.weight.grad
+            grad = grad.to_local() if isinstance(grad, DTensor) else grad
+            grad[0, 0] = value
+        # Every rank raises: none is left waiting in a collective
+        with self.assertRaisesRegex(RuntimeError, "is non-finite"):
+            clip_grad_norm_(model.parameters(), 1.0, norm_type, error_if_nonfinite=True)
+
+    def test_partial_placement_raises(self):
+        mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+        grad = torch.ones(4, device=self.device_type)
+        grads = [
+            DTensor.from_local(grad, mesh["dp"], [Partial()]),
+            distribute_tensor(grad, mesh, [Shard(0), Replicate()]),
+        ]
+        with self.assertRaisesRegex(ValueError, r"placement Partial\(sum\)"):
+            get_total_norm(grads)
+
+    def test_stock_paths(self):
+        """Plain tensors only, and DTensors on one mesh (the result is a DTensor)."""
+        mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        full = [torch.randn(8, 4, device=self.device_type) for _ in range(3)]
+        placements = [[Shard(0), Shard(1)], [Shard(1), Replicate()], [Replicate()] * 2]
+        for norm_type in (2, INF, 1):
+            plain = [nn.Parameter(torch.empty_like(g)) for g in full]
+            params = [
+                nn.Parameter(distribute_tensor(g, mesh, pl))
+                for g, pl in zip(full, placements, strict=True)
+            ]
+            for p, q, g, pl in zip(plain, params, full, placements, strict=True):
+                p.grad = g.clone()
+                q.grad = distribute_tensor(g, mesh, pl)
+            norm = clip_grad_norm_(plain, 0.5, norm_type)
+            flat = torch.cat([g.flatten() for g in full])
+            self.assertEqual(norm, torch.linalg.vector_norm(flat, norm_type))
+            dnorm = clip_grad_norm_(params, 0.5, norm_type)
+            self.assertIsInstance(dnorm, DTensor)
+            self.assertEqual(dnorm.full_tensor(), norm)
+            for p, q in zip(plain, params, strict=True):
+                self.assertEqual(q.grad.full_tensor(), p.grad)
+
+
+instantiate_parametrized_tests(TestClipGradNormLayouts)
+
+if __name__ == "__main__":
+    run_tests()
