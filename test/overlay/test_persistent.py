@@ -57,7 +57,7 @@ class PersistentHookTest(TestCase):
             status,
             """\
 torch: <version> at <path>
-base:          torch <base>, 7 files: matches
+base:          torch <base>, 8 files: matches
 persistent:    installed (<tmp>/venv/lib/python3.11/site-packages/torch_overlay_startup.pth)
 fork mode:     not applied
 TORCH_OVERLAY: unset
@@ -68,6 +68,7 @@ this process:  active (the base is checked at the first import of a replaced mod
   torch._dynamo.backends.distributed                      not imported
   torch.distributed._composable.replicate                 not imported
   torch.nn.utils.clip_grad                                not imported
+  torch.distributed.checkpoint.state_dict                 not imported
 """,
         )
         self.assertEqual(self.cli("--check").returncode, 0)

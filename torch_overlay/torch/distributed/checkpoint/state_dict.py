@@ -904,13 +904,10 @@ def _unflatten_optim_state_dict(
     return return_osd
 
 
-@torch.no_grad()
 def _convert_tp_state(param: Any, value: Any, *, to_dtensor: bool) -> Any:
     """
-    ``value``, a tensor of the state of a tensor parallel parameter that DDP
-    holds as its local shard (``_st_info``: the spec of its DTensor), as a
-    DTensor of the global shape, as for tensor parallelism alone, or back as a
-    local shard.
+    State of a TP parameter that DDP holds as its local shard (``_st_info``: its
+    DTensor's spec) as a DTensor of global shape, as for TP alone, or back.
     """
     spec = getattr(param, "_st_info", None)
     if spec is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -924,6 +921,7 @@ def _convert_tp_state(param: Any, value: Any, *, to_dtensor: bool) -> Any:
     return value
 
 
+@torch.no_grad()
 def _get_optim_state_dict(
     model: nn.Module,
     optimizers: tuple[torch.optim.Optimizer, ...],

@@ -16,9 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 __all__ = []  # type: ignore[var-annotated]
 
 
-# NOTE: Each module that owns localized DTensor parameters keeps a
-# ``_DTensorParamViews`` under this attribute; each replaced DTensor parameter
-# is marked with ``_REPLACED_ATTR`` (see ``_check_optimizer_params``).
+# Replaced DTensor parameters are marked, see ``_check_optimizer_params``.
 _VIEWS_ATTR = "_dp_dtensor_param_views"
 _REPLACED_ATTR = "_replaced_by_dp_local_param"
 _optimizer_check_handle = None
@@ -27,15 +25,11 @@ _optimizer_check_handle = None
 @dataclass
 class _DTensorParamViews:
     """
-    The localized DTensor parameters of one module. ``module._parameters[name]``
-    holds the local shard for good (an ``nn.Parameter`` carrying its
-    ``DTensorSpec`` as ``_st_info``), so DDP, optimizers and ``named_parameters()``
-    always see the same object. During the module's forward,
-    ``module.__dict__[name]`` shadows it with a DTensor view, so the forward
-    computes on DTensors and gradients flow to the local shard. ``specs`` maps
-    each name to its global spec (a deep copy of a parameter has no
-    ``_st_info``), ``depth`` counts re-entries, and ``cache`` keeps each view
-    between forwards, see ``_view``.
+    The localized DTensor parameters of one module, by name, with their global
+    specs (a deep copy of a parameter has no ``_st_info``). During the module's
+    forward, ``module.__dict__[name]`` shadows the local ``nn.Parameter`` with a
+    DTensor view of it, so the forward computes on DTensors and gradients flow
+    to the local shard. ``depth`` counts re-entries; ``cache``: see ``_view``.
     """
 
     specs: dict[str, DTensorSpec]
@@ -49,12 +43,7 @@ class _DTensorParamViews:
 
 def _dtensor_view(tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor.from_local(
-        tensor,
-        spec.mesh,
-        spec.placements,
-        run_check=False,
-        shape=spec.shape,
-        stride=spec.stride,
+        tensor, spec.mesh, spec.placements, shape=spec.shape, stride=spec.stride
     )
 
 
@@ -182,16 +171,15 @@ def _localize_dtensor(
             continue
         t, sharding_info = _flatten_tensor(param)
         if sharding_info is not None:
-            if id(param) not in localized:
-                t = nn.Parameter(t, requires_grad=param.requires_grad)
-                t._st_info = sharding_info  # type: ignore[attr-defined]
-                if t.requires_grad:  # once, not per forward
-                    t.register_hook(sync_grad_hook)
-                setattr(param, _REPLACED_ATTR, True)
-                localized[id(param)] = t
+            t = nn.Parameter(t, requires_grad=param.requires_grad)
+            t._st_info = sharding_info  # type: ignore[attr-defined]
+            setattr(param, _REPLACED_ATTR, True)
             owner, attr = _get_submodule_n_params(module, name)
-            owner._parameters[attr] = localized[id(param)]
+            owner._parameters[attr] = localized.setdefault(id(param), t)
             owners.setdefault(owner, {})[attr] = sharding_info
+    for t in localized.values():
+        if t.requires_grad:  # once, not per forward
+            t.register_hook(sync_grad_hook)
     for owner, specs in owners.items():
         owner.__dict__[_VIEWS_ATTR] = _DTensorParamViews(specs)
         owner.register_forward_pre_hook(_enter_dtensor_views)
@@ -209,10 +197,10 @@ def _pre_dp_module_transform(module: nn.Module):
     Enable the composability between Tensor Parallelism (TP) and Data
     Parallelism(DP) in PyTorch when using DDP. We need to convert Parameters which
     are DTensors to local tensors before wrapping with data parallelism API.
-    Each is replaced, for good, by a local ``nn.Parameter`` that DDP handles like
-    any other (e.g. in its gradient buckets); each module owning one shows it as
-    a DTensor view during its forward, and ``state_dict()`` returns DTensors of
-    global shape, as TP alone does.
+    We then register two hooks, one for converting local tensors back to DTensor
+    preforward and one to convert DTensors back to tensors after Forward. By
+    integrating this way, we avoid any special handling of DTensor parameters by DDP
+    and get DTensor's gradients propagated back to DP, e.g. gradient buckets of DDP.
 
     Build the optimizer after wrapping, from ``model.parameters()``: one built
     before holds the replaced DTensors and raises at its first ``step()``.
