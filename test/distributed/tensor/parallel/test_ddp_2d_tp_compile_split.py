@@ -109,7 +109,9 @@ class TestDDPOptimizerTensorParallel(DTensorContinuousTestBase):
             self.assertEqual(loss, eager_loss, msg=f"step {step}")
             loss.backward()
             eager_loss.backward()
-            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            for (name, p), q in zip(
+                model.named_parameters(), eager.parameters(), strict=True
+            ):
                 self.assertEqual(full(p.grad), full(q.grad), msg=f"step {step}: {name}")
             optim.step()
             eager_optim.step()
@@ -142,7 +144,11 @@ class TestDDPOptimizerTensorParallel(DTensorContinuousTestBase):
                     DDP(model, device_mesh=mesh["dp"], bucket_cap_mb=bucket_cap_mb),
                     backend=backend,
                 )
-                ref_ddp = DDP(reference, process_group=mesh["dp"].get_group(), bucket_cap_mb=bucket_cap_mb)
+                ref_ddp = DDP(
+                    reference,
+                    process_group=mesh["dp"].get_group(),
+                    bucket_cap_mb=bucket_cap_mb,
+                )
                 optim = torch.optim.SGD(model.parameters(), lr=0.05)
                 ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
                 compiles = []

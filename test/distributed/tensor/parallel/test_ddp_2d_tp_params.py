@@ -389,6 +389,5 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         )
 
 
-
 if __name__ == "__main__":
     run_tests()

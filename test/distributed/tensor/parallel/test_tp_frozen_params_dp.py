@@ -79,7 +79,10 @@ class TestTPFrozenParamsDP(DTensorContinuousTestBase):
         model.net1.bias.requires_grad_(False)
         frozen = model.net1.weight
         expected = frozen.full_tensor()
-        kwargs = {"device_mesh": mesh["dp"], "device_id": torch.device(self.device_type)}
+        kwargs = {
+            "device_mesh": mesh["dp"],
+            "device_id": torch.device(self.device_type),
+        }
         model.net1 = FSDP(model.net1, **kwargs)
         fsdp = FSDP(model, **kwargs)
         # The frozen DTensor parameter the user holds (e.g. a LoRA base weight).
