@@ -178,10 +178,7 @@ class DDP:
 def _get_ignored_params(
     module: nn.Module, ignored_modules: set[nn.Module]
 ) -> set[nn.Parameter]:
-    """
-    The parameters ``replicate`` leaves to others: those of ``ignored_modules``
-    and of submodules managed by ``fully_shard``.
-    """
+    """The parameters of ``ignored_modules`` and of ``fully_shard`` submodules."""
     ignored_params = {p for m in ignored_modules for p in m.parameters()}
     for submodule in module.modules():
         if _is_fully_sharded(submodule):

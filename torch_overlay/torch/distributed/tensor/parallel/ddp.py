@@ -16,7 +16,20 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 __all__ = []  # type: ignore[var-annotated]
 
 
-# Replaced DTensor parameters are marked, see ``_check_optimizer_params``.
+def _get_submodule_n_params(module: nn.Module, path: str):
+    """
+    Get submodule and the direct path of parameter from the module
+    """
+    if "." in path:
+        path_list = path.split(".")
+        parent_module_path = ".".join(path_list[:-1])
+        module = module.get_submodule(parent_module_path)
+        path = path_list[-1]
+    return module, path
+
+
+# Each module owning localized DTensor parameters keeps its views here, and each
+# replaced DTensor parameter is marked (see ``_check_optimizer_params``).
 _VIEWS_ATTR = "_dp_dtensor_param_views"
 _REPLACED_ATTR = "_replaced_by_dp_local_param"
 _optimizer_check_handle = None
@@ -47,14 +60,11 @@ def _dtensor_view(tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
     )
 
 
-# NOTE: Building a view (``DTensor.from_local``) per parameter and forward is
-# most of the cost of the hooks, so a view is reused until it would be wrong:
-# another parameter object, a changed ``requires_grad``, other data
-# (``p.data = ...``, ``module.to()``) or an in-place change of the view itself.
-# Views are built with grad mode on, outside inference mode, so that a first
-# forward under ``no_grad``/``inference_mode`` does not break training. Under
-# torch.compile the view is built in the graph and never cached: a cached view
-# would outlive the graph as one of its outputs.
+# NOTE: ``DTensor.from_local`` per parameter and forward is most of the hooks'
+# cost, so a view is reused until stale: another parameter, ``requires_grad`` or
+# data (``module.to()``), or an in-place change of the view. It is built with
+# grad on, so a first forward under ``no_grad`` does not break training. Under
+# torch.compile it is built in the graph: a cached one would be a graph output.
 def _view(views: _DTensorParamViews, name: str, local: nn.Parameter) -> DTensor:
     if torch.compiler.is_compiling():
         return _dtensor_view(local, views.specs[name])
@@ -105,9 +115,8 @@ def _dtensor_load_state_dict_pre_hook(
     module: nn.Module, state_dict, prefix, local_metadata, *_: Any
 ):
     """
-    Load DTensors (what ``state_dict()`` gives) as local shards. With
-    ``assign=True``, the shard is copied into the registered parameter, which is
-    then assigned to itself: DDP and the optimizer hold that object.
+    Load DTensors as local shards; with ``assign=True``, into the registered
+    parameter, which DDP and the optimizer hold, assigned to itself.
     """
     for name, spec in module.__dict__[_VIEWS_ATTR].specs.items():
         param, value = module._parameters[name], state_dict.get(prefix + name)
@@ -125,9 +134,8 @@ def _dtensor_load_state_dict_pre_hook(
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     """
-    Global optimizer step pre-hook, registered with the first localization. An
-    optimizer built before ``DDP(...)`` holds the replaced DTensor parameters,
-    which never get a gradient again: the TP weights would silently not train.
+    Global step pre-hook: an optimizer built before ``DDP(...)`` holds replaced
+    DTensor parameters, which never get a gradient: they would silently not train.
     """
     for group in optimizer.param_groups:
         if any(hasattr(p, _REPLACED_ATTR) for p in group["params"]):
@@ -138,28 +146,14 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
             )
 
 
-def _get_submodule_n_params(module: nn.Module, path: str):
-    """
-    Get submodule and the direct path of parameter from the module
-    """
-    if "." in path:
-        path_list = path.split(".")
-        parent_module_path = ".".join(path_list[:-1])
-        module = module.get_submodule(parent_module_path)
-        path = path_list[-1]
-    return module, path
-
-
 def _localize_dtensor(
     module: nn.Module, *_: Any, ignored_params: set[nn.Parameter] | None = None
 ):
     """
-    Convert DTensor parameters to local tensors, once, when DDP or
-    ``replicate`` wraps ``module``: each DTensor parameter (except
-    ``ignored_params``) is replaced in every module that owns it by one local
-    ``nn.Parameter`` (shared by tied owners) with its ``requires_grad`` and its
-    spec as ``_st_info``. Each owner gets hooks that show these as DTensors
-    during its forward and in ``state_dict()``/``load_state_dict()``.
+    Convert DTensor parameters to local tensors, once, when DDP or ``replicate``
+    wraps ``module``: in every owner, by one local ``nn.Parameter`` (shared by
+    tied owners) with the DTensor's ``requires_grad`` and spec (``_st_info``).
+    Owners show them as DTensors in forward and ``state_dict()``.
     """
     global _optimizer_check_handle
     if ignored_params is None:
