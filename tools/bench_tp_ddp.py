@@ -2,7 +2,7 @@
 
 1. Swap hooks: the per-forward cost of the hooks ``DDP(device_mesh=...)`` registers, for a model with >= 256
    DTensor parameters: the overlay's (each owner's forward pre-hook puts its cached DTensor view of each TP
-   parameter in place, after checking it is still valid; its forward hook drops it; the root's hooks) and
+   parameter in place, after checking it is still valid; its forward hook drops it) and
    stock's (the root's two hooks, once the first forward has turned the TP parameters into plain DTensor
    attributes), against a bare loop of ``DTensor.from_local`` over the same local parameters (what building a
    view per parameter and forward costs). Hooks are called directly, so the figure is the hooks alone,
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':<50}{'ms':>9}{'x loop':>9}")
     print(f"{'bare DTensor.from_local loop (a view per param)':<50}{floor * 1e3:>9.3f}{1.0:>9.2f}")
     print(f"{'stock: root hooks, after the first forward':<50}{stock_hooks * 1e3:>9.3f}{stock_hooks / floor:>9.2f}")
-    print(f"{'overlay: root + owners hooks (cached views)':<50}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
+    print(f"{'overlay: each owner hooks (cached views)':<50}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
 
     print(
         f"\n2. training step, {args.blocks}-block TP MLP (dim {args.dim}, hidden {args.hidden}, batch {args.batch}),"
