@@ -91,7 +91,7 @@ class TestDDPOptimizerTensorParallel(DTensorContinuousTestBase):
         """Split at bucket boundaries, a compiled TP model trains like eager TP."""
         mesh = self.mesh()
         torch.manual_seed(0)
-        eager = Blocks()
+        eager = Blocks().to(self.device_type)
         parallelize_module(eager, mesh["tp"], tp_plan())
         model = copy.deepcopy(eager)
         splitter = DDPOptimizer(
@@ -103,7 +103,7 @@ class TestDDPOptimizerTensorParallel(DTensorContinuousTestBase):
         eager_optim = torch.optim.SGD(eager.parameters(), lr=0.05)
         for step in range(3):
             torch.manual_seed(step)
-            x = torch.randn(4, DIM)
+            x = torch.randn(4, DIM, device=self.device_type)
             loss = compiled(x).pow(2).sum()
             eager_loss = eager(x).pow(2).sum()
             self.assertEqual(loss, eager_loss, msg=f"step {step}")
@@ -130,7 +130,7 @@ class TestDDPOptimizerTensorParallel(DTensorContinuousTestBase):
         for backend in ("aot_eager", "inductor"):
             counters.clear()
             torch.manual_seed(0)
-            reference = Blocks()
+            reference = Blocks().to(self.device_type)
             model = copy.deepcopy(reference)
             parallelize_module(model, mesh["tp"], tp_plan())
             for m in (reference, model):
@@ -154,7 +154,7 @@ class TestDDPOptimizerTensorParallel(DTensorContinuousTestBase):
                 compiles = []
                 for step in range(3):
                     torch.manual_seed(1000 * step + mesh["dp"].get_local_rank())
-                    x = torch.randn(4, DIM)
+                    x = torch.randn(4, DIM, device=self.device_type)
                     loss = ddp(x).pow(2).sum()
                     ref_loss = ref_ddp(x).pow(2).sum()
                     self.assertEqual(loss, ref_loss, msg=f"{backend} step {step}")

@@ -46,7 +46,7 @@ class TestTPFrozenParamsDP(DTensorContinuousTestBase):
         # A frozen base weight, as in LoRA; everything else trains.
         model.net1.weight.requires_grad_(False)
         torch.manual_seed(mesh["dp"].get_local_rank())
-        return mesh, model, torch.randn(4, 10)
+        return mesh, model, torch.randn(4, 10, device=self.device_type)
 
     def test_ddp_frozen_tp_param(self):
         mesh, model, x = self.build()
