@@ -2,7 +2,7 @@
 
 1. Swap hooks: the per-forward cost of the hooks ``DDP(device_mesh=...)`` registers, for a model with >= 256
    DTensor parameters: the overlay's (each owner's forward pre-hook puts its cached DTensor view of each TP
-   parameter in place, after checking it is still valid; its forward hook drops it; the root's hooks) and
+   parameter in place, after checking it is still valid; its forward hook drops it) and
    stock's (the root's two hooks, once the first forward has turned the TP parameters into plain DTensor
    attributes), against a bare loop of ``DTensor.from_local`` over the same local parameters (what building a
    view per parameter and forward costs). Hooks are called directly, so the figure is the hooks alone,
@@ -10,9 +10,10 @@
 2. Training step (forward, backward, SGD step) of a 16-block TP MLP (ColwiseParallel/RowwiseParallel):
    (a) overlay ``DDP(device_mesh=mesh["dp"])``; (b) stock ``DDP(device_mesh=mesh["dp"])``; (c) FSDP2
    ``fully_shard(mesh=mesh["dp"])`` per block and at the root, over the same TP model (overlay active; FSDP2 is
-   not overlaid). Each repeat times the three in turn, in an order rotated from repeat to repeat, so load on
-   the machine and order effects hit all of them alike; overlay/stock is also given per repeat (paired), as
-   the median and the range of those ratios.
+   not overlaid); (f) upstream's FSDP2-based ``replicate_with_fsdp.replicate(model, mesh=mesh["dp"])`` over the
+   same TP model, where the base has it. Each repeat times them in turn, in an order rotated from repeat to
+   repeat, so load on the machine and order effects hit all of them alike; overlay/stock is also given per
+   repeat (paired), as the median and the range of those ratios.
 3. Compiled training step (``torch.compile``, default backend and settings, so with DDP's graph splitting,
    ``optimize_ddp``): (d) compiled overlay DDP, (a) eager overlay DDP, (e) compiled FSDP2 over the same TP
    model, timed in turn as in 2. Every configuration warms up until a whole step compiles no new graph (on
@@ -219,6 +220,14 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
         ("stock", stock, stock_model.parameters()),
         ("fsdp2", fsdp, fsdp.parameters()),
     ]
+    try:  # upstream's FSDP2-based replicate, the direction upstream takes for DP + TP
+        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp
+    except ImportError:
+        replicate_fsdp = None
+    if replicate_fsdp is not None:
+        replicated = _tp_model(mesh, blocks, dim, hidden)
+        replicate_fsdp(replicated, mesh=mesh["dp"])
+        configs.append(("replicate_fsdp", replicated, replicated.parameters()))
     if compiled:
         # The same models, compiled with the default backend (inductor) and settings, as a user would: DDP's
         # graph splitting (optimize_ddp) on for the DDP model (FSDP2 does not use it). Compiled in the warm-up.
@@ -320,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':<50}{'ms':>9}{'x loop':>9}")
     print(f"{'bare DTensor.from_local loop (a view per param)':<50}{floor * 1e3:>9.3f}{1.0:>9.2f}")
     print(f"{'stock: root hooks, after the first forward':<50}{stock_hooks * 1e3:>9.3f}{stock_hooks / floor:>9.2f}")
-    print(f"{'overlay: root + owners hooks (cached views)':<50}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
+    print(f"{'overlay: each owner hooks (cached views)':<50}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
 
     print(
         f"\n2. training step, {args.blocks}-block TP MLP (dim {args.dim}, hidden {args.hidden}, batch {args.batch}),"
@@ -330,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         "overlay": "(a) overlay DDP(device_mesh=dp)",
         "stock": "(b) stock DDP(device_mesh=dp)",
         "fsdp2": "(c) FSDP2 fully_shard(mesh=dp) over TP",
+        "replicate_fsdp": "(f) replicate_with_fsdp(mesh=dp) over TP",
     }
+    names = {key: name for key, name in names.items() if key in steps[0]}
     _print_steps(steps, names, "overlay", "overlay/x")
     _print_paired(steps, "overlay", "stock", "overlay/stock")
     _print_compile_warnings(compiles, names)

@@ -57,6 +57,7 @@ class ActivationTest(unittest.TestCase):
             import torch.distributed.tensor.parallel.ddp  # noqa: F401
             import torch._dynamo.backends.distributed  # noqa: F401
             import torch.distributed._composable.replicate  # noqa: F401
+            import torch.distributed.checkpoint.state_dict  # noqa: F401
             before, modules, meta_path = references(), {n: sys.modules[n] for n in NAMES}, list(sys.meta_path)
 
             threads = [threading.Thread(target=torch_overlay.activate) for _ in range(8)]

@@ -46,7 +46,7 @@ class TestTPFrozenParamsDP(DTensorContinuousTestBase):
         # A frozen base weight, as in LoRA; everything else trains.
         model.net1.weight.requires_grad_(False)
         torch.manual_seed(mesh["dp"].get_local_rank())
-        return mesh, model, torch.randn(4, 10)
+        return mesh, model, torch.randn(4, 10, device=self.device_type)
 
     def test_ddp_frozen_tp_param(self):
         mesh, model, x = self.build()
@@ -79,7 +79,10 @@ class TestTPFrozenParamsDP(DTensorContinuousTestBase):
         model.net1.bias.requires_grad_(False)
         frozen = model.net1.weight
         expected = frozen.full_tensor()
-        kwargs = {"device_mesh": mesh["dp"], "device_id": torch.device(self.device_type)}
+        kwargs = {
+            "device_mesh": mesh["dp"],
+            "device_id": torch.device(self.device_type),
+        }
         model.net1 = FSDP(model.net1, **kwargs)
         fsdp = FSDP(model, **kwargs)
         # The frozen DTensor parameter the user holds (e.g. a LoRA base weight).

@@ -150,11 +150,9 @@ def pretty_print_buckets(buckets: list[Bucket], bucket_bytes_cap: int) -> None:
         if extended_buckets:
             log.warning(
                 "Some buckets were extended beyond their requested parameter capacities"
-                " in order to ensure each subgraph has an output node, required for fx graph partitioning,"
-                " and that no tensor subclass (e.g. a DTensor) or opaque object crosses a split."
+                " in order to ensure each subgraph has an output node, required for fx graph partitioning."
                 " This can be the case when a subgraph would have only contained nodes performing inplace mutation,"
-                " and returning no logical outputs, or when a model runs on DTensors between its modules (e.g."
-                " sequence parallel). This should not be a problem, unless it results in too few graph"
+                " and returning no logical outputs. This should not be a problem, unless it results in too few graph"
                 " partitions for optimal DDP performance."
             )
 
@@ -570,13 +568,12 @@ class DDPOptimizer:
                 and buckets[0].size >= self.first_bucket_cap
             ):
                 # Tensor parallel models run on DTensors between the hooks of
-                # their parallel modules: no split where one crosses.
-                if (
-                    bucket_has_external_output(buckets[0])
-                    and not buckets[0].non_splittable_inputs
-                ):
+                # their parallel modules: no split where one crosses. Such a
+                # bucket just grows, as expected for these models: no warning.
+                has_external_output = bucket_has_external_output(buckets[0])
+                if has_external_output and not buckets[0].non_splittable_inputs:
                     buckets.insert(0, Bucket())
-                else:
+                elif not has_external_output:
                     # continue building this bucket past the point of filling its parameter capacity,
                     # to increase chances it contains at least one node that is either a global output or
                     # passed as input to a subsequent graph

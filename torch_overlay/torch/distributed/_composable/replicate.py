@@ -178,10 +178,7 @@ class DDP:
 def _get_ignored_params(
     module: nn.Module, ignored_modules: set[nn.Module]
 ) -> set[nn.Parameter]:
-    """
-    The parameters ``replicate`` leaves to others: those of ``ignored_modules``
-    and of submodules managed by ``fully_shard``.
-    """
+    """The parameters of ``ignored_modules`` and of ``fully_shard`` submodules."""
     ignored_params = {p for m in ignored_modules for p in m.parameters()}
     for submodule in module.modules():
         if _is_fully_sharded(submodule):
@@ -199,6 +196,11 @@ def replicate(
 
     Args:
         module (torch.nn.Module): module to replicate
+
+    With a ``device_mesh`` sliced from a 2-D mesh (tensor parallel ``module``),
+    the DTensor parameters are replaced by their local shards when this is
+    called: build the optimizer after ``replicate()``, from
+    ``module.parameters()``; one built before raises at its first ``step()``.
 
     Example::
         >>> # xdoctest: +REQUIRES(module:torch._C._distributed_c10d)
@@ -240,19 +242,13 @@ def replicate(
             #
             # This won't conflict with what is done in DDP class as the module
             # replicate is going to pass is NOT the original module.
-            from torch.distributed.tensor.parallel.ddp import (
-                _localize_dtensor,
-                _reconstruct_dtensor,
-            )
+            from torch.distributed.tensor.parallel.ddp import _localize_dtensor
 
-            # Localize the DTensor parameters now, not at the lazy init of the
-            # first forward: an optimizer built after replicate() (and
-            # ``named_parameters()``, ``state_dict()``) must see the local
-            # parameters that DDP will hold, as after ``DDP(device_mesh=...)``.
+            # Localize now, as DDP does, so that an optimizer built after
+            # replicate() holds the local parameters that DDP trains.
             _localize_dtensor(
                 module, ignored_params=_get_ignored_params(module, ignored_modules)
             )
-            module.register_forward_pre_hook(_reconstruct_dtensor)
 
     module.register_forward_hook(state.forward_post_hook)  # type: ignore[arg-type]
 
