@@ -76,54 +76,48 @@ def _writeback_to_local_shard(
 
 
 # NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
-# source is global rank 0: rank 0 of ``groups[0]``, the state's process
-# group, and for hybrid sharding of ``groups[1]``, its replicate group.
-# Every rank runs the same collectives for each handle, in the same order:
-# - Entry: sharded strategies gather the parameter shards into the source's
-#   padded unsharded flat parameter, within the source's replica; no other
-#   rank allocates it. With ``with_grads=True``, the ranks agree whether any
-#   has a gradient and if so gather the gradient shards the same way (zeros
-#   from a rank without one, in the gradients' dtype). ``NO_SHARD`` moves
-#   nothing: the source edits its parameter in place and a gradient copy.
-# - Exit: the ranks agree whether the body succeeded on every rank (one
-#   all-reduce per ``summon_full_params()`` call and groups; a rank whose
-#   body raised gets here too, so none blocks). If not, nothing moves but
-#   ``NO_SHARD``'s rollback: rank 1 broadcasts its parameter. Else the source
-#   zeros the padding (the last rank's shard keeps it) and scatters each
-#   rank its shard (``NO_SHARD`` broadcasts), parameter then gradient; for
-#   hybrid sharding its replica then broadcasts each shard to the others.
-#   Each rank receives in place (through a staging copy for a shard off the
-#   compute device); a rank without a gradient receives into a new one.
-# - Frees: the collectives of all handles run concurrently. Only once all of
-#   them finished does the source free its unsharded flat parameters and
-#   gradients, and a new gradient become the rank's; if one failed, nothing
-#   is freed, as it may still read its buffers. With ``offload_to_cpu=True``
-#   on an accelerator, each handle finishes before the next exits, so the
-#   device holds one unsharded handle at a time.
-# Not agreed on, as elsewhere in FSDP: a failure on entry (e.g. the source
-# running out of memory). A ``NO_SHARD`` rollback keeps rank 1's own edits.
+# source is global rank 0: rank 0 of the state's process group and, for hybrid
+# sharding, of its replicate group. Every rank runs the same collectives for
+# each handle in the same order:
+# - Entry: sharded strategies gather the parameter shards to the source, within
+#   its replica; no other rank allocates the unsharded parameter. With
+#   ``with_grads=True``, the ranks agree whether any has a gradient, and if so
+#   gather the gradient shards the same way (zeros from a rank without one).
+#   ``NO_SHARD`` moves nothing; the source edits a copy of its gradient.
+# - Exit: the ranks agree whether the body succeeded everywhere, once per call
+#   and groups (a rank whose body raised gets here too, so none blocks). If not,
+#   nothing moves but ``NO_SHARD``'s rollback: the last rank broadcasts its
+#   parameter. Else the source zeros the padding and scatters each rank its
+#   shard of the parameter, then of the gradient (``NO_SHARD`` broadcasts); for
+#   hybrid sharding, its replica then broadcasts each shard to the others.
+# - Frees: all handles' collectives run concurrently; once all finished, the
+#   source frees its unsharded parameters and gradients, and a rank without a
+#   gradient takes the one it received. If one failed, nothing is freed (it may
+#   still read its buffers). With ``offload_to_cpu=True`` on an accelerator,
+#   each handle finishes before the next exits: one unsharded handle at a time.
+# Not agreed on, as elsewhere in FSDP: a failure on entry (e.g. out of memory).
+
+
+# The state's process group, then for hybrid sharding its replicate group
+_Groups = tuple[dist.ProcessGroup, ...]
 
 
 class _Rank0Writeback:
     """What the FSDP states of one ``summon_full_params()`` call share."""
 
     def __init__(self) -> None:
-        self.succeeded: dict[tuple[dist.ProcessGroup, ...], bool] = {}
+        self.succeeded: dict[_Groups, bool] = {}
         self.works: list[tuple[dist.Work, list[Callable[[], object]]]] = []
         self.frees: list[Callable[[], None]] = []
 
-    def agree(self, groups: tuple[dist.ProcessGroup, ...], ok: bool, device) -> bool:
+    def agree(self, groups: _Groups, ok: bool, device) -> bool:
         # Once per groups: the states exit in the same order on every rank
         if groups not in self.succeeded:
             self.succeeded[groups] = _all_agree(groups, ok, device)
         return self.succeeded[groups]
 
     def wait(self) -> None:
-        """
-        Waits for every collective, then completes it (``on_done``). If one
-        failed, raises its error once all finished, freeing nothing; else
-        frees every unit, even after a free raised.
-        """
+        """If a collective failed, raises once all finished and frees nothing."""
         works, self.works, frees, self.frees = self.works, [], self.frees, []
         error: Exception | None = None
         for work, on_done in works:
@@ -142,18 +136,12 @@ class _Rank0Writeback:
             raise error
 
 
-def _rank0_groups(state: _FSDPState) -> tuple[dist.ProcessGroup, ...]:
-    if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
-        return (state.process_group, state._inter_node_pg)
-    return (state.process_group,)
-
-
-def _is_rank0(groups: tuple[dist.ProcessGroup, ...], replica_only=False) -> bool:
+def _is_rank0(groups: _Groups, replica_only=False) -> bool:
     """Whether this rank is the source, or with ``replica_only`` in its replica."""
     return all(dist.get_rank(g) == 0 for g in groups[replica_only:])
 
 
-def _all_agree(groups: tuple[dist.ProcessGroup, ...], value: bool, device) -> bool:
+def _all_agree(groups: _Groups, value: bool, device) -> bool:
     result = torch.tensor([int(value)], dtype=torch.int32, device=device)
     # For hybrid sharding, the minimum within each replica, then across them
     for group in groups:
@@ -161,21 +149,17 @@ def _all_agree(groups: tuple[dist.ProcessGroup, ...], value: bool, device) -> bo
     return bool(result.item())
 
 
-def _gather_to_rank0(
-    groups: tuple[dist.ProcessGroup, ...],
-    handle: FlatParamHandle,
-    shard: torch.Tensor,
-    padded: torch.Tensor | None,
-) -> None:
+def _gather_to_rank0(groups: _Groups, shard: torch.Tensor, padded) -> None:
     """Gathers the shards into the source's ``padded`` (``None`` elsewhere)."""
     if _is_rank0(groups, replica_only=True):
-        chunks = None if padded is None else list(padded.chunk(handle.world_size))
-        dist.gather(shard.to(handle.device), chunks, group=groups[0], group_dst=0)
+        n = dist.get_world_size(groups[0])
+        chunks = None if padded is None else list(padded.chunk(n))
+        dist.gather(shard, chunks, group=groups[0], group_dst=0)
 
 
 def _scatter_from_rank0(
     call: _Rank0Writeback,
-    groups: tuple[dist.ProcessGroup, ...],
+    groups: _Groups,
     handle: FlatParamHandle,
     padded: torch.Tensor | None,
     out: torch.Tensor,
@@ -183,9 +167,8 @@ def _scatter_from_rank0(
     src: int = 0,
 ) -> None:
     """
-    Starts writing the source's padded unsharded ``padded`` (``None``
-    elsewhere) to each rank's shard ``out``, then runs ``on_done`` in
-    ``call.wait()``; ``NO_SHARD`` broadcasts ``out`` from rank ``src``.
+    Starts writing the source's ``padded`` unsharded tensor to each rank's
+    shard ``out``; ``NO_SHARD`` broadcasts ``out`` from rank ``src``.
     """
     buffer = out
     on_done_list = [] if on_done is None else [on_done]
@@ -227,14 +210,13 @@ def _set_grad(flat_param: torch.Tensor, grad: torch.Tensor | None) -> None:
 @torch.no_grad()
 def _unshard_to_rank0(
     state: _FSDPState,
-    groups: tuple[dist.ProcessGroup, ...],
+    groups: _Groups,
     handle: FlatParamHandle,
     with_grads: bool,
 ) -> tuple[bool, torch.Tensor | None]:
     """
-    ``_unshard()`` and ``unshard_grad()``, gathering to the source only. Returns
-    whether any rank has a gradient and the source's padded unsharded one
-    (``NO_SHARD``: its gradient from before, which it keeps if the body raises).
+    ``_unshard()`` and ``unshard_grad()`` to the source only. Returns whether any
+    rank has a gradient, and the source's padded one (``NO_SHARD``: its own).
     """
     flat_param, stream = handle.flat_param, state._device_handle.current_stream()
     if not handle.uses_sharded_strategy:
@@ -243,100 +225,36 @@ def _unshard_to_rank0(
         with state._device_handle.stream(stream):
             handle.pre_unshard()
         # As `_unshard()`, to consume the events that `_reshard()` records
-        if state.limit_all_gathers and (
-            e := state._free_event_queue.dequeue_if_needed()
-        ):
-            e.synchronize()
+        event = state._free_event_queue.dequeue_if_needed()
+        if state.limit_all_gathers and event:
+            event.synchronize()
         with state._device_handle.stream(stream):
             if handle.needs_unshard():
                 padded = None
                 if _is_rank0(groups):
                     padded = handle._alloc_padded_unsharded_flat_param()
-                _gather_to_rank0(groups, handle, flat_param.data, padded)
+                _gather_to_rank0(groups, flat_param.data, padded)
             if _is_rank0(groups):
                 handle.unshard()  # only switches to the gathered parameter
             handle.post_unshard()
     grad = flat_param.grad
     if not with_grads or _all_agree(groups, grad is None, handle.device):
         return False, None
-    send = _zero_grad_shard(handle) if grad is None else grad
+    send = (_zero_grad_shard(handle) if grad is None else grad).to(handle.device)
     padded = None
     if not handle.uses_sharded_strategy and _is_rank0(groups):
         _set_grad(flat_param, send.clone())
     elif handle.uses_sharded_strategy:
-        flat_param._saved_grad_shard = grad  # type: ignore[attr-defined]
+        flat_param._saved_grad_shard = grad
         if _is_rank0(groups):
-            padded = send.new_empty(
-                flat_param._padded_unsharded_size,  # type: ignore[attr-defined]
-                device=handle.device,
-            )
-        _gather_to_rank0(groups, handle, send, padded)
+            padded = send.new_empty(flat_param._padded_unsharded_size)
+        _gather_to_rank0(groups, send, padded)
         if padded is not None:
-            size = flat_param._unpadded_unsharded_size  # type: ignore[attr-defined]
+            size = flat_param._unpadded_unsharded_size
             _set_grad(flat_param, padded[: size.numel()].view(size))
     if _is_rank0(groups) and handle._use_orig_params:
         handle._use_unsharded_grad_views()
     return True, padded if handle.uses_sharded_strategy else grad
-
-
-def _write_back_from_rank0(
-    call: _Rank0Writeback,
-    state: _FSDPState,
-    groups: tuple[dist.ProcessGroup, ...],
-    handle: FlatParamHandle,
-    succeeded: bool,
-    grads: bool,
-    grad: torch.Tensor | None,
-) -> None:
-    """Starts the collectives of the exit and queues the frees (see the NOTE)."""
-    flat_param, sharded = handle.flat_param, handle.uses_sharded_strategy
-    is_src = _is_rank0(groups)
-    if not sharded:
-        src = 0 if succeeded else handle.world_size - 1  # the rollback
-        _scatter_from_rank0(call, groups, handle, None, flat_param.data, src=src)
-    elif succeeded:
-        padded = handle._get_padded_unsharded_flat_param() if is_src else None
-        _scatter_from_rank0(call, groups, handle, padded, flat_param._local_shard)
-    if grads and succeeded:
-        received = flat_param._saved_grad_shard if sharded else flat_param.grad
-        set_received = None
-        if received is None:  # on the sharded parameter's device (CPUOffload)
-            received = _zero_grad_shard(handle).to(flat_param._local_shard.device)
-            set_received = functools.partial(_set_grad, flat_param, received)
-            if sharded:
-                set_received = functools.partial(
-                    setattr, flat_param, "_saved_grad_shard", received
-                )
-        padded = grad if sharded and is_src else None
-        _scatter_from_rank0(call, groups, handle, padded, received, set_received)
-    call.frees.append(
-        functools.partial(
-            _finish_rank0_writeback, state, handle, is_src, succeeded, grads, grad
-        )
-    )
-
-
-def _finish_rank0_writeback(
-    state: _FSDPState,
-    handle: FlatParamHandle,
-    is_src: bool,
-    succeeded: bool,
-    grads: bool,
-    grad: torch.Tensor | None,
-) -> None:
-    flat_param = handle.flat_param
-    if is_src and grads and not handle.uses_sharded_strategy:
-        # Keep the identity of the gradient from before: it gets the copy's values
-        if succeeded and grad is not None:
-            grad.copy_(flat_param.grad)
-        if grad is not None or not succeeded:
-            _set_grad(flat_param, grad)
-    if is_src:
-        # Freed even if allocated before (a forward): no rank keeps a stale copy
-        _reshard(state, handle, handle.uses_sharded_strategy)
-    if grads:
-        _reshard_grads(handle)
-    handle._training_state = HandleTrainingState.IDLE
 
 
 @contextlib.contextmanager
@@ -353,24 +271,23 @@ def _unshard_fsdp_state_params_from_rank0(
     (see the NOTE). Without a ``call`` of other states, it waits upon exit.
     """
     own_call, call = call is None, call or _Rank0Writeback()
-    groups = _rank0_groups(state)
+    groups, flat_param = (state.process_group,), handle.flat_param
+    if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
+        groups += (state._inter_node_pg,)
+    is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
     _reset_flat_param_grad_info_if_needed(handle)
     grads, grad = _unshard_to_rank0(state, groups, handle, with_grads)
     body_succeeded = False
     try:
-        if not _is_rank0(groups):
-            # Free early: this rank's changes are discarded
-            _reshard(state, handle, handle.uses_sharded_strategy)
+        if not is_src:
+            _reshard(state, handle, sharded)  # free early: its changes are discarded
             yield
         else:
             with contextlib.ExitStack() as stack:
-                if offload_to_cpu and not handle.flat_param.is_cpu:
-                    stack.enter_context(
-                        handle.to_cpu()
-                        if handle.uses_sharded_strategy
-                        else _no_shard_to_cpu(handle)
-                    )
+                if offload_to_cpu and not flat_param.is_cpu:
+                    cpu = handle.to_cpu() if sharded else _no_shard_to_cpu(handle)
+                    stack.enter_context(cpu)
                 if not state._use_orig_params:
                     stack.enter_context(_unflatten_as_params(state, module))
                 if grads:
@@ -379,7 +296,41 @@ def _unshard_fsdp_state_params_from_rank0(
         body_succeeded = True
     finally:
         succeeded = call.agree(groups, body_succeeded, handle.device)
-        _write_back_from_rank0(call, state, groups, handle, succeeded, grads, grad)
+        if not sharded:
+            src = 0 if succeeded else handle.world_size - 1  # the rollback
+            _scatter_from_rank0(call, groups, handle, None, flat_param.data, src=src)
+        elif succeeded:
+            padded = handle._get_padded_unsharded_flat_param() if is_src else None
+            _scatter_from_rank0(call, groups, handle, padded, flat_param._local_shard)
+        if grads and succeeded:
+            received = flat_param._saved_grad_shard if sharded else flat_param.grad
+            set_received = None
+            if received is None:  # on the sharded parameter's device (CPUOffload)
+                received = _zero_grad_shard(handle)
+                set_received = functools.partial(_set_grad, flat_param, received)
+                if sharded:
+                    attr = "_saved_grad_shard"
+                    set_received = functools.partial(
+                        setattr, flat_param, attr, received
+                    )
+            padded = grad if sharded and is_src else None
+            _scatter_from_rank0(call, groups, handle, padded, received, set_received)
+
+        def free() -> None:
+            if is_src and grads and not sharded:
+                # The gradient from before keeps its identity: it gets the copy's
+                if succeeded and grad is not None:
+                    grad.copy_(flat_param.grad)
+                if grad is not None or not succeeded:
+                    _set_grad(flat_param, grad)
+            if is_src:
+                # Even if allocated before (a forward), so no rank keeps a stale copy
+                _reshard(state, handle, sharded)
+            if grads:
+                _reshard_grads(handle)
+            handle._training_state = HandleTrainingState.IDLE
+
+        call.frees.append(free)
         if own_call or (offload_to_cpu and handle.device.type != "cpu"):
             call.wait()
 
@@ -439,38 +390,35 @@ def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
 @torch.no_grad()
 def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
     """
-    ``_unshard_grads()``; without ``use_orig_params``, up to setting the
-    original parameters' gradients, which ``_unsharded_grad_views()`` sets
-    once ``_unflatten_as_params()`` registers them: before, they are views
-    into the flat parameter, which refuse a gradient once it changed in place
-    (an optimizer step), and ``_params`` is ``None``.
+    ``_unshard_grads()``, but without ``use_orig_params`` the original
+    parameters get their gradients from ``_unsharded_grad_views()`` once
+    registered: before, they are views that refuse a gradient once the flat
+    parameter changed in place (an optimizer step).
     """
     if handle._use_orig_params or not handle.uses_sharded_strategy:
         if handle._use_orig_params:
             _unshard_grads(handle)
         return
     flat_param = handle.flat_param
-    flat_param._saved_grad_shard = flat_param.grad  # type: ignore[attr-defined]
+    flat_param._saved_grad_shard = flat_param.grad
     any_grad = torch.tensor([flat_param.grad is not None], device=handle.device)
     dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=handle.process_group)
     if any_grad.item():
         grad = flat_param.grad
         if grad is None:  # as `unshard_grad()` does
-            grad = torch.zeros(flat_param._sharded_size, device=handle.device)  # type: ignore[attr-defined]
-        padded = grad.new_empty(flat_param._padded_unsharded_size)  # type: ignore[attr-defined]
+            grad = torch.zeros(flat_param._sharded_size, device=handle.device)
+        padded = grad.new_empty(flat_param._padded_unsharded_size)
         dist.all_gather_into_tensor(padded, grad, group=handle.process_group)
-        size = flat_param._unpadded_unsharded_size  # type: ignore[attr-defined]
+        size = flat_param._unpadded_unsharded_size
         flat_param.grad = padded[: size.numel()].view(size)
 
 
 @contextlib.contextmanager
 def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator:
     """
-    Assumes that the gradient is unsharded. When in the context, sets the
-    original parameters' gradients to views into the unsharded gradient, on
-    CPU if the parameters were offloaded to CPU: then the gradient is copied
-    to CPU, and back to the compute device upon exit if ``writeback=True`` or
-    for ``NO_SHARD`` (whose changes persist regardless of ``writeback``).
+    Sets the original parameters' gradients to views into the unsharded one,
+    on CPU if the parameters are (copied back upon exit if ``writeback=True``
+    or for ``NO_SHARD``, whose changes persist regardless of ``writeback``).
     """
     flat_param = handle.flat_param
     grad = flat_param.grad
@@ -489,19 +437,15 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
         if offloaded:
             if writeback or not handle.uses_sharded_strategy:
                 grad.copy_(flat_param.grad)
-            # NOTE: The parameter moves back to the compute device after this
-            # context, so point its gradient back there already (using `.data`
-            # like `_use_unsharded_grad_views()` to bypass the device check).
+            # The parameter moves back next: `.data` bypasses the device check
             flat_param.grad.data = grad
 
 
 @contextlib.contextmanager
 def _no_shard_to_cpu(handle: FlatParamHandle) -> Generator:
     """
-    The ``NO_SHARD`` counterpart of ``FlatParamHandle.to_cpu()``: when in the
-    context, the flattened parameter is a CPU copy of the one on the compute
-    device, which gets the CPU copy's values upon exit (with ``NO_SHARD``,
-    changes persist regardless of ``writeback``).
+    ``FlatParamHandle.to_cpu()`` for ``NO_SHARD``, whose changes persist
+    regardless of ``writeback``: the CPU copy's values are copied back.
     """
     flat_param = handle.flat_param
     device_flat_param = flat_param.data
@@ -612,13 +556,8 @@ def _unshard_fsdp_state_params(
         # Unflatten the unsharded flattened parameters
         with contextlib.ExitStack() as stack:
             # Invariant: rank == 0 or !rank0_only
-            # NOTE: On a CPU compute device the unsharded parameter is already in
-            # CPU memory, and `to_cpu()` would free it instead of copying it.
-            if (
-                offload_to_cpu
-                and handle.uses_sharded_strategy
-                and handle.flat_param.device.type != "cpu"
-            ):
+            on_cpu = handle.flat_param.is_cpu  # `to_cpu()` would free it
+            if offload_to_cpu and handle.uses_sharded_strategy and not on_cpu:
                 stack.enter_context(handle.to_cpu())
                 # NOTE: Since PyTorch enforces that a parameter and its
                 # gradients need to match metadata (e.g. device), we must
@@ -693,10 +632,6 @@ def _unshard_params(
     """
     This unshards FSDP-managed parameters for all modules with FSDP applied in
     the module tree rooted at ``module``.
-
-    With ``writeback=True, rank0_only=True``, what rank 0 changes is written
-    back to every rank upon exit, each receiving its shard, unless the body
-    raised on any rank (see the NOTE on writeback from rank 0).
     """
     if not recurse:
         optional_state = _get_module_fsdp_state(module)
