@@ -190,23 +190,6 @@ def _scatter_from_rank0(
     call.works.append((work, on_done_list))
 
 
-def _zero_grad_shard(handle: FlatParamHandle) -> torch.Tensor:
-    """A zero gradient shard, in the dtype of a gradient after a backward."""
-    dtype = handle.flat_param.dtype
-    if handle._keep_low_precision_grads:
-        dtype = handle._fwd_bwd_param_dtype
-    return torch.zeros_like(handle.flat_param._local_shard, dtype=dtype)
-
-
-def _set_grad(flat_param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    # `.grad` refuses another dtype (low precision gradients)
-    if grad is None or grad.dtype == flat_param.dtype:
-        flat_param.grad = grad
-    else:
-        flat_param.grad = torch.empty_like(grad, dtype=flat_param.dtype)
-        flat_param.grad.data = grad
-
-
 @torch.no_grad()
 def _unshard_to_rank0(
     state: _FSDPState,
@@ -240,10 +223,11 @@ def _unshard_to_rank0(
     grad = flat_param.grad
     if not with_grads or _all_agree(groups, grad is None, handle.device):
         return False, None
-    send = (_zero_grad_shard(handle) if grad is None else grad).to(handle.device)
+    send = torch.zeros_like(flat_param._local_shard) if grad is None else grad
+    send = send.to(handle.device)
     padded = None
     if not handle.uses_sharded_strategy and _is_rank0(groups):
-        _set_grad(flat_param, send.clone())
+        flat_param.grad = send.clone()
     elif handle.uses_sharded_strategy:
         flat_param._saved_grad_shard = grad
         if _is_rank0(groups):
@@ -251,7 +235,7 @@ def _unshard_to_rank0(
         _gather_to_rank0(groups, send, padded)
         if padded is not None:
             size = flat_param._unpadded_unsharded_size
-            _set_grad(flat_param, padded[: size.numel()].view(size))
+            flat_param.grad = padded[: size.numel()].view(size)
     if _is_rank0(groups) and handle._use_orig_params:
         handle._use_unsharded_grad_views()
     return True, padded if handle.uses_sharded_strategy else grad
@@ -306,13 +290,9 @@ def _unshard_fsdp_state_params_from_rank0(
             received = flat_param._saved_grad_shard if sharded else flat_param.grad
             set_received = None
             if received is None:  # on the sharded parameter's device (CPUOffload)
-                received = _zero_grad_shard(handle)
-                set_received = functools.partial(_set_grad, flat_param, received)
-                if sharded:
-                    attr = "_saved_grad_shard"
-                    set_received = functools.partial(
-                        setattr, flat_param, attr, received
-                    )
+                received = torch.zeros_like(flat_param._local_shard)
+                attr = "_saved_grad_shard" if sharded else "grad"
+                set_received = functools.partial(setattr, flat_param, attr, received)
             padded = grad if sharded and is_src else None
             _scatter_from_rank0(call, groups, handle, padded, received, set_received)
 
@@ -322,7 +302,7 @@ def _unshard_fsdp_state_params_from_rank0(
                 if succeeded and grad is not None:
                     grad.copy_(flat_param.grad)
                 if grad is not None or not succeeded:
-                    _set_grad(flat_param, grad)
+                    flat_param.grad = grad
             if is_src:
                 # Even if allocated before (a forward), so no rank keeps a stale copy
                 _reshard(state, handle, sharded)
