@@ -64,12 +64,6 @@ def _edit(params, with_grads: bool) -> None:
                 p.grad.copy_(grad.to(p.device))
 
 
-def _backward(model: nn.Module, device) -> None:
-    """The same batch on every rank: every rank has a gradient."""
-    inp = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
-    model(inp.to(device)).sum().backward()
-
-
 def _summon_rank0(model: FSDP, **kwargs):
     return FSDP.summon_full_params(model, writeback=True, rank0_only=True, **kwargs)
 
@@ -82,6 +76,15 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
         model = copy.deepcopy(reference)
         model[0] = FSDP(model[0], device_id=self.device, **kwargs)
         return FSDP(model, device_id=self.device, **kwargs)
+
+    def _models(self, backward: bool, **kwargs) -> tuple[FSDP, nn.Module]:
+        """The FSDP model and its reference, after a backward on the same batch."""
+        reference = _reference()
+        model = self._wrap(reference, **kwargs)
+        inp = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+        for m, device in [(model, self.device), (reference, "cpu")][: 2 * backward]:
+            m(inp.to(device)).sum().backward()
+        return model, reference
 
     def _check_idle_and_resharded(self, model: FSDP) -> None:
         for fsdp_module in FSDP.fsdp_modules(model):
@@ -151,6 +154,17 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
             ref_loss.backward()
             with_grads = True
 
+    def _test_rank0_writeback(self, with_grads, offload_to_cpu, **kwargs):
+        model, reference = self._models(with_grads, **kwargs)
+        if not with_grads:
+            # A forward without backward leaves the root's unsharded parameter
+            # allocated: it must not go stale on the ranks that did not edit it
+            with torch.no_grad():
+                model(torch.randn(4, 5, device=self.device))
+        self._check_writeback(
+            model, reference, with_grads, offload_to_cpu=offload_to_cpu
+        )
+
     def _check_other_ranks_allocate_at_most_a_shard(
         self, with_grads: bool, **kwargs
     ) -> None:
@@ -212,21 +226,6 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
             self._test_rank0_writeback,
         )
 
-    def _test_rank0_writeback(self, with_grads, offload_to_cpu, **kwargs):
-        reference = _reference()
-        model = self._wrap(reference, **kwargs)
-        if with_grads:
-            _backward(model, self.device)
-            _backward(reference, torch.device("cpu"))
-        else:
-            # A forward without backward leaves the root's unsharded parameter
-            # allocated: it must not go stale on the ranks that did not edit it
-            with torch.no_grad():
-                model(torch.randn(4, 5, device=self.device))
-        self._check_writeback(
-            model, reference, with_grads, offload_to_cpu=offload_to_cpu
-        )
-
     def test_rank0_writeback_grads_on_some_ranks(self):
         """
         A rank without a gradient receives rank 0's, with mixed precision too; without a
@@ -235,7 +234,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         self.run_subtests(
             {
                 "sharding_strategy": [FULL, NO_SHARD],
-                "use_orig_params": [False, True],
+                "use_orig_params": [True, False],
                 "grad_on_rank0": [False, True],
                 "mixed_precision": [None, MixedPrecision(param_dtype=torch.bfloat16)],
             },
@@ -243,9 +242,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         )
 
     def _test_rank0_writeback_grads_on_some_ranks(self, grad_on_rank0, **kwargs):
-        reference = _reference()
-        model = self._wrap(reference, **kwargs)
-        _backward(model, self.device)
+        model, reference = self._models(backward=True, **kwargs)
         if self.rank != 0 or not grad_on_rank0:
             model.zero_grad(set_to_none=True)
         with _summon_rank0(model, with_grads=True):
@@ -274,11 +271,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         )
 
     def _test_rank0_writeback_body_raises(self, with_grads, **kwargs):
-        reference = _reference()
-        model = self._wrap(reference, **kwargs)
-        if with_grads:
-            _backward(model, self.device)
-            _backward(reference, torch.device("cpu"))
+        model, reference = self._models(with_grads, **kwargs)
         with (
             self.assertRaisesRegex(_BodyError, "after the edit")
             if self.rank == 0
@@ -320,11 +313,10 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         )
 
     def _test_rank0_writeback_padding_stays_zeros(self, with_grads, **kwargs):
-        model = self._wrap(_reference(), **kwargs)
+        model, _ = self._models(backward=True, **kwargs)
         handles = [m._handle for m in FSDP.fsdp_modules(model)]
         if self.rank == 1 and not kwargs["use_orig_params"]:
             self.assertTrue(any(h.flat_param._shard_numel_padded for h in handles))
-        _backward(model, self.device)
         with _summon_rank0(model, with_grads=with_grads):
             for flat_param in [h.flat_param for h in handles if self.rank == 0]:
                 numel = flat_param._unpadded_unsharded_size.numel()
@@ -401,10 +393,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         Every unit's scatter starts before any is waited for, and rank 0 frees only
         after all were waited for: never while a collective may read the buffer.
         """
-        reference = _reference()
-        model = self._wrap(reference)
-        with FSDP.summon_full_params(model):
-            pass
+        model, reference = self._models(backward=False)
         patch, events = self._patched_scatters(lambda n: False)
         reshard = unshard_param_utils._reshard
 
@@ -433,8 +422,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         gradient gets none from the failed gradient scatter.
         """
         for with_grads in [False, True]:
-            model = self._wrap(_reference(), use_orig_params=True)
-            _backward(model, self.device)
+            model, _ = self._models(backward=True, use_orig_params=True)
             if self.rank != 0:
                 model.zero_grad(set_to_none=True)
             # The first unit's parameter scatter fails, or each gradient scatter
@@ -461,10 +449,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         If freeing one unit raises on rank 0, the error reaches the caller, the other
         unit is freed and idle, and every rank has rank 0's edits.
         """
-        reference = _reference()
-        model = self._wrap(reference)
-        with FSDP.summon_full_params(model):
-            pass
+        model, reference = self._models(backward=False)
         reshard, failed = unshard_param_utils._reshard, []
 
         def failing_reshard(state, *args):
@@ -501,12 +486,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         refuses it before any collective. The offload and the accelerator are faked
         on the handle, which the check reads.
         """
-        model = FSDP(
-            _reference(),
-            process_group=self.process_group,
-            device_id=self.device,
-            sharding_strategy=NO_SHARD,
-        )
+        model, reference = self._models(backward=False, sharding_strategy=NO_SHARD)
         handle = model._handle
         with contextlib.ExitStack() as stack:
             stack.enter_context(mock.patch.object(handle, "_offload_params", True))
@@ -521,7 +501,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
                 with _summon_rank0(model):
                     pass
         self.assertEqual(handle._training_state, HandleTrainingState.IDLE)
-        self._check_writeback(model, _reference(), with_grads=False)
+        self._check_writeback(model, reference, with_grads=False)
 
 
 class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
@@ -542,13 +522,8 @@ class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
         )
 
     def _test_rank0_writeback_hybrid_shard(self, with_grads, **kwargs):
-        reference = _reference()
-        model = self._wrap(reference, **kwargs)
-        if with_grads:
-            _backward(model, self.device)
-            _backward(reference, torch.device("cpu"))
         # Rank 2, rank 0 of the other replica, must not keep a full copy either
-        self._check_writeback(model, reference, with_grads, offload_to_cpu=True)
+        self._test_rank0_writeback(with_grads, offload_to_cpu=True, **kwargs)
         # Nor allocate one: only rank 0's replica gathers, to rank 0
         self._check_other_ranks_allocate_at_most_a_shard(with_grads, **kwargs)
 
