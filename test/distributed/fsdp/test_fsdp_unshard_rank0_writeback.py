@@ -58,7 +58,9 @@ def _edits(params, grads: bool = False) -> list[torch.Tensor]:
 
 def _edit(params, with_grads: bool) -> None:
     with torch.no_grad():
-        for p, value, grad in zip(params, _edits(params), _edits(params, True)):
+        for p, value, grad in zip(
+            params, _edits(params), _edits(params, True), strict=True
+        ):
             p.copy_(value.to(p.device))
             if with_grads:
                 p.grad.copy_(grad.to(p.device))
@@ -255,7 +257,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         self._check_idle_and_resharded(model)
         ref_params = list(reference.parameters())
         _edit(ref_params, with_grads=False)
-        for ref, grad in zip(ref_params, _edits(ref_params, grads=True)):
+        for ref, grad in zip(ref_params, _edits(ref_params, grads=True), strict=True):
             ref.grad = grad if grad_on_rank0 else None
         self._check_full(model, reference, with_grads=True)
 
@@ -427,7 +429,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
                 model.zero_grad(set_to_none=True)
             # The first unit's parameter scatter fails, or each gradient scatter
             patch, events = self._patched_scatters(
-                lambda n: n % 2 == 1 if with_grads else n == 0
+                lambda n, grads=with_grads: n % 2 == 1 if grads else n == 0
             )
             with patch, self.assertRaisesRegex(_BodyError, "collective failed"):
                 with _summon_rank0(model, with_grads=with_grads):
