@@ -87,9 +87,10 @@ def _writeback_to_local_shard(
 # - Exit: the ranks agree whether the body succeeded everywhere, once per call
 #   and groups (a rank whose body raised gets here too, so none blocks). If not,
 #   nothing moves but ``NO_SHARD``'s rollback: the last rank broadcasts its
-#   parameter. Else the source zeros the padding and scatters each rank its
-#   shard of the parameter, then of the gradient (``NO_SHARD`` broadcasts); for
-#   hybrid sharding, its replica then broadcasts each shard to the others.
+#   parameter (with its own edits). Else the source zeros the padding and
+#   scatters each rank its shard of the parameter, then of the gradient
+#   (``NO_SHARD`` broadcasts); for hybrid sharding, its replica then broadcasts
+#   each shard to the others.
 # - Frees: all handles' collectives run concurrently; once all finished, the
 #   source frees its unsharded parameters and gradients, and a rank without a
 #   gradient takes the one it received. If one failed, nothing is freed (it may
