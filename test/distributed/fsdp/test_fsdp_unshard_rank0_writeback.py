@@ -93,11 +93,10 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
             self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
             handle = fsdp_module._handle
             self.assertEqual(handle._training_state, HandleTrainingState.IDLE)
+            flat_param = handle.flat_param
             if handle.uses_sharded_strategy:
-                flat_param = handle.flat_param
-                self.assertEqual(
-                    flat_param._full_param_padded.untyped_storage().size(), 0
-                )
+                storage = flat_param._full_param_padded.untyped_storage()
+                self.assertEqual(storage.size(), 0)
                 self.assertEqual(
                     flat_param.data_ptr(), flat_param._local_shard.data_ptr()
                 )
@@ -116,9 +115,8 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
         self, model: FSDP, reference: nn.Module, with_grads: bool, **kwargs
     ) -> None:
         """
-        Rank 0 edits the full parameters (and gradients); every rank has its edits
-        after, bitwise, and an optimizer step and training steps match ``reference``
-        given the same edits.
+        Rank 0 edits the full parameters (and gradients); every rank has its edits,
+        bitwise, and training from there matches ``reference`` given the same edits.
         """
         with _summon_rank0(model, with_grads=with_grads, **kwargs):
             params = list(model.parameters())
@@ -170,11 +168,7 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
     def _check_other_ranks_allocate_at_most_a_shard(
         self, with_grads: bool, **kwargs
     ) -> None:
-        """
-        Only the source materializes the unsharded flat parameters (and gradients):
-        none of the other ranks' allocations exceeds a shard. One unit's unsharded
-        flat parameter dwarfs the rest.
-        """
+        """No allocation on the other ranks exceeds a shard; one unit dwarfs others."""
         torch.manual_seed(0)
         model = self._wrap(
             nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3)), **kwargs
@@ -191,16 +185,9 @@ class _Rank0WritebackTest(FSDPTestContinuousCPU):
             with _summon_rank0(model, with_grads=with_grads):
                 if self.rank == 0:
                     _edit(list(model.parameters()), with_grads)
-        largest = max(
-            [
-                e.cpu_memory_usage
-                if self.device.type == "cpu"
-                else e.device_memory_usage
-                for e in prof.events()
-                if e.name == "[memory]"
-            ]
-            + [0]
-        )
+        usage = "cpu" if self.device.type == "cpu" else "device"
+        events = [e for e in prof.events() if e.name == "[memory]"]
+        largest = max([getattr(e, f"{usage}_memory_usage") for e in events] + [0])
         handles = [m._handle for m in FSDP.fsdp_modules(model)]
         itemsize = handles[0].flat_param.element_size()
         shard = max(h.flat_param._local_shard.numel() for h in handles) * itemsize
