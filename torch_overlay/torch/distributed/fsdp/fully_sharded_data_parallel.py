@@ -913,7 +913,8 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 each rank receiving only its shard (for hybrid sharding, only
                 rank 0 of the first replica has full parameters); other ranks'
                 changes are discarded, and if the body raises on any rank,
-                nothing is written back.
+                nothing is written back. Not supported for ``NO_SHARD`` with
+                ``CPUOffload(offload_params=True)`` on an accelerator.
             offload_to_cpu (bool, Optional): If ``True``, full parameters are
                 offloaded to CPU. For ``world_size = 1`` or ``NO_SHARD``
                 config, this is a CPU copy whose changes are copied back upon
