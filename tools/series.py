@@ -47,6 +47,8 @@ class Patch:
     """Upstream test files the patch edits; each diff lives at ``test/upstream_edits/<path>.diff``."""
     fixed_upstream_in: str | None = None
     """The torch release that fixed the bug upstream: from it on the patch is not needed (a backport)."""
+    over_size_limits: str | None = None
+    """Why this patch is accepted over the stack's size limits (:mod:`tools.stack_rules`); shown, never hidden."""
 
     def needed_on(self, version: str) -> bool:
         """Whether a base of this version needs the patch (it still has the bug)."""
@@ -102,6 +104,7 @@ def load_series(path: Path) -> list[Patch]:
                     tests=tuple(entry.get("tests", [])),
                     upstream_test_edits=tuple(entry.get("upstream_test_edits", [])),
                     fixed_upstream_in=entry.get("fixed_upstream_in"),
+                    over_size_limits=entry.get("over_size_limits"),
                 )
             )
         except KeyError as e:

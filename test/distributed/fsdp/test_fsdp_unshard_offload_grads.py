@@ -110,13 +110,14 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         self.run_subtests(
             {
                 "use_orig_params": [False, True],
-                "writeback": [True, False],
-                "rank0_only": [False, True],
+                # (writeback, rank0_only); both together: rank-0 writeback's tests
+                "options": [(True, False), (False, False), (False, True)],
             },
             self._test_offload_to_cpu_no_shard,
         )
 
-    def _test_offload_to_cpu_no_shard(self, use_orig_params, writeback, rank0_only):
+    def _test_offload_to_cpu_no_shard(self, use_orig_params, options):
+        writeback, rank0_only = options
         reference = _make_reference()
         model = self._wrap(reference, ShardingStrategy.NO_SHARD, use_orig_params)
         with FSDP.summon_full_params(
@@ -235,14 +236,9 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         model = self._wrap(reference, sharding_strategy, use_orig_params)
         option_sequence = [
             {"writeback": True, "offload_to_cpu": True, "with_grads": True},
-            {"writeback": True, "rank0_only": True},
+            {"writeback": False, "rank0_only": True},
             {"writeback": False, "rank0_only": True, "offload_to_cpu": True},
-            {
-                "writeback": True,
-                "rank0_only": True,
-                "offload_to_cpu": True,
-                "recurse": False,
-            },
+            {"writeback": True, "offload_to_cpu": True, "recurse": False},
             {"writeback": True},
             {"writeback": False, "with_grads": True},
             {"writeback": True, "offload_to_cpu": True},
@@ -274,7 +270,7 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         reference(self._input()).sum().backward()
         option_sequence = [
             {"writeback": False, "offload_to_cpu": True, "with_grads": True},
-            {"writeback": True, "rank0_only": True, "offload_to_cpu": True},
+            {"writeback": False, "rank0_only": True, "offload_to_cpu": True},
             {"writeback": True, "with_grads": True},
             {"writeback": False, "rank0_only": True},
         ]
