@@ -48,9 +48,9 @@ lint: install
 	$(PY) -m ruff format --check torch_overlay tools test
 	# The overlay modules are upstream files: PyTorch's formatting (ruff format, 88 columns)
 	$(PY) -m ruff format --check --isolated --line-length 88 torch_overlay/torch
-	# The FSDP tests travel upstream in the patches: PyTorch's formatting too, and 88 columns
-	$(PY) -m ruff format --check --isolated --line-length 88 test/distributed/fsdp
-	$(PY) -m ruff check --isolated --line-length 88 --select E,F,W test/distributed/fsdp
+	# The tests under test/distributed travel upstream in the patches: PyTorch's formatting too, and 88 columns
+	$(PY) -m ruff format --check --isolated --line-length 88 test/distributed
+	$(PY) -m ruff check --isolated --line-length 88 --select E,F,W test/distributed
 
 apply-overlay: install
 	$(PY) -m torch_overlay.activate

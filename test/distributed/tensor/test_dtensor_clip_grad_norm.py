@@ -166,7 +166,8 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
     def _test_nonfinite_grad_on_one_rank(self, layout, value, norm_type):
         ref, model, wrapped, _ = self._layout(layout)
         self._backward(ref, wrapped)
-        # One shard of the gradient: FSDP2's on rank 0, TP's on tp rank 0 of each replica
+        # One shard of the gradient: FSDP2's on rank 0, TP's on tp rank 0 of each
+        # replica
         if self.rank == 0 or (layout != "fsdp2_tp" and self.rank % 2 == 0):
             grad = model.net1.weight.grad
             grad = grad.to_local() if isinstance(grad, DTensor) else grad
