@@ -29,8 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
+from tools.bench_tp_ddp import Block  # the same residual MLP block
 from tools.ranks import run_ranks, slowest
 
 WORLD_SIZE = 4
@@ -41,16 +41,6 @@ NAMES = {
     "stock": "(c) stock FSDP2, 1 mesh (baseline)",
     "full_tensor": "(d) full_tensor() clip over (a)",
 }
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden)
-        self.w2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(F.relu(self.w1(x)))
 
 
 class Model(nn.Module):
