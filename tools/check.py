@@ -20,10 +20,12 @@ from pathlib import Path
 
 from tools.patches import (
     PatchError,
+    chain_problems,
+    edits_by_file,
     generate,
     generated_files,
     new_side_problems,
-    read_upstream_edit,
+    upstream_edits,
 )
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project, torch_requirement
@@ -142,9 +144,12 @@ def check(project: Project, sources: list[Path] = ()) -> list[str]:
     problems = drift(project, expected) + requirement_problems(project)
     for base in project.manifest().bases:
         problems += base_problems(project, found, base) + code_problems(project, found, base)
-    for path in [path for p in load_series(project.series_toml) for path in p.upstream_test_edits]:
+    # NOTE: several patches may edit one upstream test file: their diffs must follow each other, and the last
+    # one's new side is the rewritten file (where this repo keeps it).
+    for path, chain in edits_by_file(upstream_edits(project, load_series(project.series_toml))).items():
+        problems += chain_problems(project, chain)
         if project.repo_file(path).is_file():
-            problems += new_side_problems(project, read_upstream_edit(project, path), project.repo_file(path))
+            problems += new_side_problems(project, chain[-1], project.repo_file(path))
     return problems
 
 

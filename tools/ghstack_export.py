@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.patches import read_upstream_edit
+from tools.patches import PatchError, edits_by_file, upstream_edits
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
 from tools.series import SeriesError, load_series
@@ -125,34 +125,62 @@ def export_stack(pytorch_dir: Path, patches_dir: Path, base_version: str, branch
     return log
 
 
-def old_side(diff: str) -> bytes:
-    """A stand-in for the file a one-file diff edits: its old lines where the hunks need them, filler between.
+_HUNK_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? ")
+
+
+def _hunks(diff: str) -> list[tuple[int, list[str]]]:
+    """A one-file diff's hunks: (0-based old line where it starts, its ' '/'-'/'+' lines)."""
+    hunks: list[tuple[int, list[str]]] = []
+    for line in diff.splitlines(keepends=True):
+        match = _HUNK_RE.match(line)
+        if match is not None:
+            hunks.append((int(match.group(1)) - (1 if match.group(2) != "0" else 0), []))
+        elif hunks and line[:1] in (" ", "-", "+"):
+            hunks[-1][1].append(line)
+    return hunks
+
+
+def stand_in(diffs: list[str]) -> bytes:
+    """A stand-in for the file that one-file diffs edit in turn: its lines as the first diff's old side has them
+    where any diff needs them, filler between.
 
     Upstream test files are not in the wheel, so the scratch clone cannot hold them; this is enough for the
-    diff to apply exactly as it would to the real file.
+    diffs to apply in order exactly as they would to the real file. A later diff's context may be lines that no
+    earlier diff shows: they are found through the earlier diffs, back in the first one's old side.
     """
-    lines: list[str] = []
-    hunk = None
-    for line in diff.splitlines(keepends=True):
-        match = re.match(r"@@ -(\d+)(?:,(\d+))? ", line)
-        if match is not None:
-            start = int(match.group(1)) - (1 if match.group(2) != "0" else 0)
-            lines += ["# (upstream lines not shown)\n"] * (start - len(lines))
-            hunk = True
-        elif hunk and line[:1] in (" ", "-"):
-            lines.append(line[1:])
-    return "".join(lines).encode("utf-8")
+    known: list[str | None] = []  # the file's lines, by line number; None where no diff shows it
+    current: list[int | str] = []  # the file as the diffs so far leave it: a line of `known`, or one they added
+    for diff in diffs:
+        after: list[int | str] = []
+        done = 0
+        for start, lines in _hunks(diff):
+            needed = start + sum(line[0] != "+" for line in lines)
+            while len(current) < needed:  # unchanged lines past the end of what is known so far
+                current.append(len(known))
+                known.append(None)
+            after += current[done:start]
+            done = start
+            for line in lines:
+                if line[0] == "+":
+                    after.append(line[1:])
+                    continue
+                if isinstance(current[done], int) and known[current[done]] is None:
+                    known[current[done]] = line[1:]
+                if line[0] == " ":
+                    after.append(current[done])
+                done += 1
+        current = after + current[done:]
+    return "".join("# (upstream lines not shown)\n" if line is None else line for line in known).encode("utf-8")
 
 
 def offline_base(project: Project, base: Base, found: Pristine) -> dict[str, bytes]:
     """The files a PyTorch checkout at ``base`` has where the series touches it, for a scratch clone.
 
-    The base's pristine files, and a stand-in (:func:`old_side`) for each upstream test file the series edits.
+    The base's pristine files, and a stand-in (:func:`stand_in`) for each upstream test file the series edits.
     """
     files = found.files(base)
-    for patch in load_series(project.series_toml):
-        for path in patch.upstream_test_edits:
-            files[path] = old_side(read_upstream_edit(project, path).diff)
+    for path, chain in edits_by_file(upstream_edits(project, load_series(project.series_toml))).items():
+        files[path] = stand_in([edit.diff for edit in chain])
     return files
 
 
@@ -213,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.pytorch_dir:  # NOTE: never "" (Path("") is this repository)
             raise ExportError("no PyTorch checkout: PYTORCH_DIR=~/pytorch (or GHSTACK_OFFLINE=1 to try it offline)")
         commits = export_stack(Path(args.pytorch_dir), default_project().patches_dir, base, args.branch)
-    except (ExportError, BaseSourceError, SeriesError) as e:
+    except (ExportError, BaseSourceError, SeriesError, PatchError) as e:
         print(f"make ghstack: {e}", file=sys.stderr)
         return 1
     print(f"make ghstack: {len(commits)} commits (torch {base}'s series) on branch {args.branch} of {args.pytorch_dir}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import re
 import sys
 import tempfile
@@ -22,12 +23,12 @@ from pathlib import Path
 
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
-from tools.series import Patch, SeriesError, file_states, load_author, load_series
+from tools.series import Patch, SeriesError, edit_owner, file_states, load_author, load_series
 from torch_overlay import _git
 from torch_overlay._patchset import SERIES_FILE
 
 _UPSTREAM_BASE_RE = re.compile(r"^Upstream-Base: (\S+)\n")
-_INDEX_RE = re.compile(r"^index [0-9a-f]+\.\.([0-9a-f]+)(?: [0-7]+)?$", re.MULTILINE)
+_INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: [0-7]+)?$", re.MULTILINE)
 
 
 class PatchError(RuntimeError):
@@ -36,11 +37,19 @@ class PatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class UpstreamEdit:
-    """A diff of an upstream test file, made against ``base`` (``pytorch/pytorch@<commit>``)."""
+    """A patch's diff of an upstream test file, made against ``base`` (``pytorch/pytorch@<commit>``) as the
+    series' earlier diffs of that file leave it."""
 
     path: str
     base: str
     diff: str
+    file: Path
+    """Where the diff is kept (:meth:`Project.upstream_edit_file`)."""
+
+    def blobs(self) -> tuple[str, str] | None:
+        """The (old, new) abbreviated blob ids of the diff's ``index`` line, or None without one."""
+        match = _INDEX_RE.search(self.diff)
+        return (match.group(1), match.group(2)) if match else None
 
 
 def git(repo: Path, *args: str, input: str | None = None, identity: tuple[str, str] = _git.AUTHOR) -> str:
@@ -51,12 +60,22 @@ def git(repo: Path, *args: str, input: str | None = None, identity: tuple[str, s
         raise PatchError(str(e)) from e
 
 
-def read_upstream_edit(project: Project, path: str) -> UpstreamEdit:
-    file = project.upstream_edit_file(path)
+def read_upstream_edit(project: Project, patches: list[Patch], patch: Patch, path: str) -> UpstreamEdit:
+    """``patch``'s diff of upstream test file ``path`` (one of its ``upstream_test_edits``)."""
+    owner = edit_owner(patches, patch, path)
+    file = project.upstream_edit_file(path, owner)
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as e:
-        raise PatchError(f"{file}: cannot read the upstream test edit of {path} ({e.strerror})") from e
+        scheme = (
+            f"several patches edit {path}, so each has its own test/upstream_edits/{path}.<patch>.diff"
+            if owner
+            else f"one patch edits {path}, so its diff is test/upstream_edits/{path}.diff"
+        )
+        raise PatchError(
+            f"{file}: patch {patch.name!r} lists {path} in upstream_test_edits, but this diff cannot be read "
+            f"({e.strerror}).\n{scheme}: add it, or drop the path (README, 'Patches')"
+        ) from e
     match = _UPSTREAM_BASE_RE.match(text)
     diff = text[match.end() :] if match else ""
     if not match or not diff.startswith(f"diff --git a/{path} b/{path}\n"):
@@ -64,7 +83,38 @@ def read_upstream_edit(project: Project, path: str) -> UpstreamEdit:
             f"{file}: expected a first line 'Upstream-Base: pytorch/pytorch@<commit>' and then "
             f"'diff --git a/{path} b/{path}' (see README, 'Patches')"
         )
-    return UpstreamEdit(path, match.group(1), diff)
+    return UpstreamEdit(path, match.group(1), diff, file)
+
+
+def upstream_edits(project: Project, patches: list[Patch]) -> list[list[UpstreamEdit]]:
+    """Each patch's diffs of upstream test files, in series order."""
+    return [[read_upstream_edit(project, patches, p, path) for path in p.upstream_test_edits] for p in patches]
+
+
+def edits_by_file(edits: list[list[UpstreamEdit]]) -> dict[str, list[UpstreamEdit]]:
+    """Each edited upstream test file -> its diffs, in series order."""
+    out: dict[str, list[UpstreamEdit]] = {}
+    for edit in [e for patch_edits in edits for e in patch_edits]:
+        out.setdefault(edit.path, []).append(edit)
+    return out
+
+
+def chain_problems(project: Project, chain: list[UpstreamEdit]) -> list[str]:
+    """Where the diffs of one upstream test file do not follow each other: each must be made against the same
+    upstream commit and, after the first, against the previous one's new side (empty when they do)."""
+    problems = []
+    for before, after in itertools.pairwise(chain):
+        where = after.file.relative_to(project.root)
+        earlier = before.file.relative_to(project.root)
+        if after.base != before.base:
+            problems.append(f"{where}: Upstream-Base {after.base}, but {earlier} has {before.base}; make them equal")
+        old, new = (after.blobs() or ("?", ""))[0], (before.blobs() or ("", "?"))[1]
+        if not (old.startswith(new) or new.startswith(old)):
+            problems.append(
+                f"{where}: its old side (blob {old}) is not the new side (blob {new}) of {earlier}; make it with "
+                "`git diff` from the file as the earlier diff leaves it (README, 'Patches')"
+            )
+    return problems
 
 
 def blob_id(content: bytes) -> str:
@@ -77,11 +127,11 @@ def new_side_problems(project: Project, edit: UpstreamEdit, local: Path) -> list
 
     The diff's ``index a..b`` line names the new side's blob; ``local`` must hash to it.
     """
-    where = project.upstream_edit_file(edit.path).relative_to(project.root)
-    match = _INDEX_RE.search(edit.diff)
-    if match is None:
+    where = edit.file.relative_to(project.root)
+    blobs = edit.blobs()
+    if blobs is None:
         return [f"{where}: no 'index <old>..<new>' line; regenerate it with `git diff` (README, 'Patches')"]
-    found, new = blob_id(local.read_bytes()), match.group(1)
+    found, new = blob_id(local.read_bytes()), blobs[1]
     if found.startswith(new):
         return []
     local_path = local.relative_to(project.root)
@@ -175,7 +225,7 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
         git(repo, "add", "--all")
         git(repo, "commit", "--quiet", "-m", f"{manifest.package} {manifest.payload_base.version}")
         git(repo, "tag", "pristine")
-        all_edits = []
+        all_edits = upstream_edits(project, patches)
         for patch, state in zip(patches, states, strict=True):
             tests = {}
             for test in patch.tests:
@@ -184,8 +234,6 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
                 except OSError as e:
                     raise PatchError(f"{project.series_toml}: patch {patch.name!r}: test {test}: {e.strerror}") from e
             _write(repo, state | tests)
-            edits = [read_upstream_edit(project, p) for p in patch.upstream_test_edits]
-            all_edits.append(edits)
             git(repo, "add", "--all")
             message = commit_message(patch)
             commit = ["commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-"]

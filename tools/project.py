@@ -58,8 +58,10 @@ class Project:
         """A file at its PyTorch-checkout path in this repo (``test/...``)."""
         return self.root / path
 
-    def upstream_edit_file(self, path: str) -> Path:
-        return self.root / "test" / "upstream_edits" / (path + ".diff")
+    def upstream_edit_file(self, path: str, patch: str | None = None) -> Path:
+        """The diff of upstream test file ``path``: ``<path>.diff`` where one patch edits it, else each
+        patch's own ``<path>.<patch>.diff`` (:func:`tools.series.edit_owner`)."""
+        return self.root / "test" / "upstream_edits" / (path + (f".{patch}" if patch else "") + ".diff")
 
 
 def torch_requirement(manifest: Manifest) -> str:

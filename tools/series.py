@@ -44,7 +44,8 @@ class Patch:
     tests: tuple[str, ...]
     """New test files the patch adds whole (PyTorch checkout paths)."""
     upstream_test_edits: tuple[str, ...]
-    """Upstream test files the patch edits; each diff lives at ``test/upstream_edits/<path>.diff``."""
+    """Upstream test files the patch edits; each diff lives at ``test/upstream_edits/<path>.diff``, or at
+    ``<path>.<name>.diff`` where several patches edit the file (:func:`edit_owner`)."""
     fixed_upstream_in: str | None = None
     """The torch release that fixed the bug upstream: from it on the patch is not needed (a backport)."""
     over_size_limits: str | None = None
@@ -143,6 +144,16 @@ def load_author(path: Path) -> tuple[str, str]:
             f"malformed ({author!r}).\nSet it once, from `git config user.name` and `git config user.email`."
         )
     return match.group(1), match.group(2)
+
+
+def edit_owner(patches: list[Patch], patch: Patch, path: str) -> str | None:
+    """The ``<patch>`` of ``patch``'s diff of upstream test file ``path`` (``<path>.<patch>.diff``), or None
+    where no other patch edits the file (``<path>.diff``).
+
+    NOTE: several patches may edit one upstream test file, each with its own diff, applied in series order: a
+    later patch's diff is made against the file as the earlier ones leave it (its old side is their new side).
+    """
+    return patch.name if sum(path in p.upstream_test_edits for p in patches) > 1 else None
 
 
 def series_for(patches: list[Patch], version: str) -> list[Patch]:

@@ -147,3 +147,24 @@ def make_project(tmp: Path) -> tuple[Project, list[Path]]:
         "test/fake/test_upstream.py": UPSTREAM_TEST_NEW,
     })  # fmt: skip
     return Project(root), [base_dir, old_dir]
+
+
+SHARED_OLD = UPSTREAM_TEST_OLD + "".join(f"\n\ndef test_{c}():\n    assert 1\n" for c in "bcdefz")
+"""An upstream test file that both patches of the upstream series edit (:func:`share_upstream_edit`)."""
+SHARED_MID = SHARED_OLD.replace("def test_a():\n    assert 1", "def test_a():\n    assert 2")
+"""After fix-alpha's diff."""
+SHARED_NEW = SHARED_MID.replace("def test_z():\n    assert 1", "def test_z():\n    assert 3")
+"""After extend's diff: test_z is far enough from test_a that no line of the first diff shows it."""
+
+
+def share_upstream_edit(project: Project, tmp: Path) -> None:
+    """Make fix-alpha and extend both edit test/fake/test_upstream.py, each with its own diff, in series order."""
+    path, root = "test/fake/test_upstream.py", project.root
+    project.series_toml.write_text(
+        project.series_toml.read_text().replace("upstream_test_edits = []", f'upstream_test_edits = ["{path}"]', 1)
+    )
+    (root / f"test/upstream_edits/{path}.diff").unlink()
+    for name, old, new in (("fix-alpha", SHARED_OLD, SHARED_MID), ("extend", SHARED_MID, SHARED_NEW)):
+        diff = git_diff(old, new, path, tmp / f"diff-{name}")
+        write(root, {f"test/upstream_edits/{path}.{name}.diff": "Upstream-Base: pytorch/pytorch@abc123\n" + diff})
+    write(root, {path: SHARED_NEW})

@@ -17,9 +17,9 @@ from unittest import mock
 
 import expecttest
 import ghstack.test_prelude as gh
-from _patch_project import BASE, UPSTREAM_TEST_OLD, make_project
+from _patch_project import BASE, UPSTREAM_TEST_OLD, make_project, share_upstream_edit
 
-from tools.ghstack_export import ExportError, export_stack, offline_stack, user_identity
+from tools.ghstack_export import ExportError, export_stack, offline_base, offline_stack, user_identity
 from tools.patches import generate, write
 from tools.pristine import pristine
 
@@ -163,6 +163,19 @@ torch 9.9.0's series as ghstack would push it (2 PRs, by Pat Contributor <pat@ex
 #500 [FSDP] Fix line 3
 #501 [2D] Extend alpha and beta""",
         )
+
+    def test_offline_stand_in_for_an_upstream_test_two_patches_edit(self) -> None:
+        # The second diff's hunk (test_z) is far from the first's (test_a): its lines come from the second diff,
+        # placed where the first diff's old side has them.
+        share_upstream_edit(self.project, Path(self._tmp.name))
+        write(self.project, generate(self.project, pristine(self.project, self.sources)))
+        base = self.project.manifest().base("9.9.0")
+        found = pristine(self.project, self.sources)
+        stand_in = offline_base(self.project, base, found)["test/fake/test_upstream.py"].decode()
+        filler = "# (upstream lines not shown)\n"
+        test_a, test_z = "\n\ndef test_a():\n    assert 1\n\n\ndef test_b():\n", "\n\ndef test_z():\n    assert 1\n"
+        self.assertEqual(stand_in, filler + test_a + filler * 17 + test_z)
+        self.assertIn("(2 PRs", offline_stack(self.project, base, found, ("Pat Contributor", "pat@example.com")))
 
 
 def _no_system_config(user_config: bool = False, identity: tuple[str, str] = ("x", "y")) -> dict[str, str]:

@@ -11,7 +11,18 @@ from pathlib import Path
 from unittest import mock
 
 import expecttest
-from _patch_project import BASE, OLD_BASE, OVERLAY, make_project, manifest_text
+from _patch_project import (
+    BASE,
+    OLD_BASE,
+    OVERLAY,
+    SHARED_MID,
+    SHARED_NEW,
+    SHARED_OLD,
+    git_diff,
+    make_project,
+    manifest_text,
+    share_upstream_edit,
+)
 
 from tools.check import check
 from tools.patches import PatchError, generate, write
@@ -299,6 +310,60 @@ series.toml does not split the overlay into its patches:
             [
                 "test/fake/test_upstream.py: git hash-object cbd08debe0da090d1545b74e1a7511c771c44437 is not the new "
                 "blob eaf34ed of test/upstream_edits/test/fake/test_upstream.py.diff; make them equal"
+            ],
+        )
+
+    def test_several_patches_edit_one_upstream_test(self) -> None:
+        share_upstream_edit(self.project, self.tmp)
+        files = self.regenerate()
+        edits = self.project.root / "test/upstream_edits/test/fake/test_upstream.py"
+        for name, patch in (("fix-alpha", "0001-fix-alpha.patch"), ("extend", "0002-extend.patch")):
+            diff = Path(f"{edits}.{name}.diff").read_text().split("\n", 1)[1]
+            self.assertIn(diff, files[patch].decode(), f"{patch} embeds its own diff")
+        self.assertEqual(self.check(), [])
+        tree = self.tmp / "tree"
+        subprocess.run(["git", "init", "-q", str(tree)], check=True)
+        for path, text in {**BASE, "test/fake/test_upstream.py": SHARED_OLD}.items():
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_text(text)
+        for name in (self.project.patches_dir / "series").read_text().split():
+            subprocess.run(["git", "apply", str(self.project.patches_dir / name)], cwd=tree, check=True)
+            if name == "0001-fix-alpha.patch":
+                self.assertEqual((tree / "test/fake/test_upstream.py").read_text(), SHARED_MID)
+        self.assertEqual((tree / "test/fake/test_upstream.py").read_text(), SHARED_NEW)
+
+    def test_missing_diff_of_a_listed_upstream_edit(self) -> None:
+        share_upstream_edit(self.project, self.tmp)
+        (self.project.root / "test/upstream_edits/test/fake/test_upstream.py.extend.diff").unlink()
+        with self.assertRaises(PatchError) as e:
+            generate(self.project, self.found)
+        edits = "test/upstream_edits/test/fake/test_upstream.py"
+        self.assertEqual(
+            str(e.exception).replace(str(self.project.root), "ROOT").split("\n"),
+            [
+                f"ROOT/{edits}.extend.diff: patch 'extend' lists test/fake/test_upstream.py in upstream_test_edits, "
+                "but this diff cannot be read (No such file or directory).",
+                f"several patches edit test/fake/test_upstream.py, so each has its own {edits}.<patch>.diff: add it, "
+                "or drop the path (README, 'Patches')",
+            ],
+        )
+
+    def test_diffs_of_one_upstream_test_follow_each_other(self) -> None:
+        share_upstream_edit(self.project, self.tmp)
+        path = "test/fake/test_upstream.py"
+        diff = git_diff(SHARED_OLD, SHARED_NEW, path, self.tmp / "wrong")  # not from the first diff's new side
+        (self.project.root / f"test/upstream_edits/{path}.extend.diff").write_text(
+            "Upstream-Base: pytorch/pytorch@def456\n" + diff
+        )
+        self.regenerate()
+        first, second = f"test/upstream_edits/{path}.fix-alpha.diff", f"test/upstream_edits/{path}.extend.diff"
+        self.assertEqual(
+            self.check(),
+            [
+                f"{second}: Upstream-Base pytorch/pytorch@def456, but {first} has pytorch/pytorch@abc123; make them "
+                "equal",
+                f"{second}: its old side (blob 560efe4) is not the new side (blob c4c6a31) of {first}; make it with "
+                "`git diff` from the file as the earlier diff leaves it (README, 'Patches')",
             ],
         )
 
