@@ -12,8 +12,10 @@ two linear layers (48 TP parameters: weights and biases, ColwiseParallel / Rowwi
     (the first version of transformers' DTensor clip), then scales the local shards.
 
 Per configuration: the time of one ``clip_grad_norm_`` (median over repeats of the slowest rank; configurations in
-rotated order), its ratio to (c), the collectives of one call (``CommDebugMode``), the bytes they gather, and the
-largest single gather: the transient extra memory of a clip that gathers one gradient at a time.
+rotated order), its ratio to (c), the collectives of one call (``CommDebugMode``), the bytes they gather, the
+largest single gather (the transient extra memory of a clip that gathers one gradient at a time), and the peak
+extra memory of one call: the largest over ranks of the peak resident set size (``VmHWM``, reset before the
+call) above the size before it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tools.bench_tp_ddp import Block  # the same residual MLP block
-from tools.ranks import run_ranks, slowest
+from tools.ranks import reset_peak_rss, run_ranks, slowest, status_kib
 
 WORLD_SIZE = 4
 MAX_NORM = 1e9  # no clipping: repeated calls leave the gradients as they are
@@ -99,7 +101,8 @@ def full_tensor_clip(parameters: list[torch.Tensor], max_norm: float) -> torch.T
 
 
 def comm_figures(clip: Callable[[], object]) -> dict[str, int]:
-    """Collectives of one call (by op name), the bytes gathered (outputs of all-gathers) and the largest gather."""
+    """Collectives of one call (by op name), the bytes gathered (outputs of all-gathers), the largest gather, and
+    the peak resident set size of another call above the size before it (``peak_extra``)."""
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -119,10 +122,16 @@ def comm_figures(clip: Callable[[], object]) -> dict[str, int]:
 
     with CommDebugMode() as comm, GatheredBytes():
         clip()
+    dist.barrier()
+    reset_peak_rss()
+    rss_before = status_kib("VmRSS")
+    clip()
+    peak_extra = (status_kib("VmHWM") - rss_before) * 1024
     figures = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items() if n}
     figures["collectives"] = sum(comm.get_comm_counts().values())
     figures["gathered_bytes"] = GatheredBytes.gathered
     figures["largest_gather"] = GatheredBytes.largest
+    figures["peak_extra"] = peak_extra
     return figures
 
 
@@ -193,15 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     times = {rank: t for rank, t, _ in gathered}
     comms = {rank: c for rank, _, c in gathered}
     medians = {kind: statistics.median(slowest(t[kind] for t in times.values())) for kind in NAMES}
-    print(f"\n{'':<38}{'ms/clip':>9}{'x stock':>9}{'collectives':>13}{'gathered bytes':>16}{'largest':>12}  ops")
+    print(
+        f"\n{'':<38}{'ms/clip':>9}{'x stock':>9}{'collectives':>13}{'gathered bytes':>16}{'largest':>12}"
+        f"{'peak extra':>12}  ops"
+    )
     for kind, name in NAMES.items():
         worst = max(comms.values(), key=lambda c: c[kind]["gathered_bytes"])[kind]
         ops = ", ".join(
-            f"{op} {n}" for op, n in worst.items() if op not in ("collectives", "gathered_bytes", "largest_gather")
+            f"{op} {n}"
+            for op, n in worst.items()
+            if op not in ("collectives", "gathered_bytes", "largest_gather", "peak_extra")
         )
+        peak = max(c[kind]["peak_extra"] for c in comms.values())
         print(
             f"{name:<38}{medians[kind] * 1e3:>9.2f}{medians[kind] / medians['stock']:>9.2f}"
-            f"{worst['collectives']:>13}{worst['gathered_bytes']:>16,}{worst['largest_gather']:>12,}  {ops}"
+            f"{worst['collectives']:>13}{worst['gathered_bytes']:>16,}{worst['largest_gather']:>12,}"
+            f"{peak / 2**20:>8.1f} MiB  {ops}"
         )
     return 0
 

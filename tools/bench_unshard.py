@@ -34,10 +34,7 @@ that barrier to a barrier at the start of the body, plus the writeback.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import os
-import re
 import statistics
 import sys
 import time
@@ -48,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tools.ranks import run_ranks, slowest
+from tools.ranks import reset_peak_rss, run_ranks, slowest, status_kib
 
 WORLD_SIZE = 4
 MIB = 1 << 20
@@ -62,20 +59,6 @@ class Measurement:
     writeback_s: float
     peak_extra_bytes: int
     entry_s: float
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as status:
-        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"/proc/self/status has no {field}")
-    return int(match.group(1))
-
-
-def _reset_peak_rss() -> None:
-    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
-        clear_refs.write("5")
 
 
 _body_start = 0.0
@@ -94,13 +77,13 @@ def _measure(run: Callable[[], float]) -> Measurement:
     writeback started. Seconds and peak memory.
     """
     dist.barrier()
-    _reset_peak_rss()
-    rss_before = _status_kib("VmRSS")
+    reset_peak_rss()
+    rss_before = status_kib("VmRSS")
     start = time.perf_counter()
     writeback_start = run()
     dist.barrier()
     end = time.perf_counter()
-    peak_extra = (_status_kib("VmHWM") - rss_before) * 1024
+    peak_extra = (status_kib("VmHWM") - rss_before) * 1024
     return Measurement(end - start, end - writeback_start, peak_extra, _body_start - start)
 
 

@@ -3,7 +3,10 @@ their figures."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -65,3 +68,19 @@ def run_ranks(worker: Callable[..., None], world_size: int, *args: object) -> li
 def slowest(per_rank: Iterable[Sequence[float]]) -> list[float]:
     """Per repeat, the slowest rank's figure (what the whole group took); ``per_rank``: each rank's repeats."""
     return [max(figures) for figures in zip(*per_rank, strict=True)]
+
+
+def status_kib(field: str) -> int:
+    """A field of ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``, ...)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return int(match.group(1))
+
+
+def reset_peak_rss() -> None:
+    """Return freed memory to the system, then reset ``VmHWM`` (the peak resident set size) to the current size."""
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+        clear_refs.write("5")
