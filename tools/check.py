@@ -5,7 +5,9 @@ package's torch requirement does not cover exactly the manifest's bases, or, for
 (``patches/series`` or ``patches/series-<version>``) does not ``git apply`` in order onto that base's
 pristine files, or gives anything but the overlay: the payload itself where the base's file is the payload's
 base file, else our change transplanted onto the base's file (a clean 3-way merge), without the backports
-the base does not need. It also fails when a module's ``code_sha256`` (the manifest's claim that every base's
+the base does not need; and where a patch gives its version of a file as a snapshot, when its prefix of the
+series does not give exactly that snapshot (a snapshot is refused for a file that differs between bases).
+It also fails when a module's ``code_sha256`` (the manifest's claim that every base's
 file has the same code, comments aside) is not the code digest of each base's pristine file.
 
     python -m tools.check [--wheel TORCH_WHEEL_OR_DIR ...]
@@ -29,7 +31,7 @@ from tools.patches import (
 )
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project, torch_requirement
-from tools.series import Patch, SeriesError, file_states, load_series, series_for
+from tools.series import Patch, SeriesError, file_states, load_series, load_snapshots, series_for, snapshot_file
 from torch_overlay import _git
 from torch_overlay._manifest import Base, code_sha256
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
@@ -64,13 +66,22 @@ def expected_files(project: Project, found: Pristine, base: Base, needed: list[P
     manifest = project.manifest()
     payload_base = found.files(manifest.payload_base)
     patches = load_series(project.series_toml)
-    state = file_states(patches, payload_base, project.overlay_files())[len(needed) - 1] if needed else payload_base
+    snapshots = load_snapshots(project.series_toml, patches)
+    states = file_states(patches, payload_base, project.overlay_files(), snapshots)
+    state = states[len(needed) - 1] if needed else payload_base
     files = found.files(base)
     expected = {}
     for path, content in files.items():
         if content == payload_base[path]:
             expected[path] = state[path]
             continue
+        snapshotted = [p.name for p in needed if path in p.snapshots]
+        if snapshotted:
+            raise PatchError(
+                f"{path}: torch {base.version}'s file differs from torch {manifest.payload_base.version}'s, but "
+                f"{', '.join(snapshotted)} gives its version as a snapshot, which serves one base file only.\n"
+                "Claim that patch's blocks in series.toml instead of a snapshot (README, 'Patches')"
+            )
         labels = (f"overlay/{path}", f"torch-{manifest.payload_base.version}/{path}", f"torch-{base.version}/{path}")
         conflicts, merged = _git.merge_file(state[path], payload_base[path], content, labels)
         if conflicts:
@@ -99,7 +110,7 @@ def base_problems(project: Project, found: Pristine, base: Base) -> list[str]:
         tree = apply_series(files, patch_files, [f"--exclude={path}" for path in edited])
     except PatchApplyError as e:
         return [f"{where}: patches/{e.patch.name}: does not apply in order onto the pristine files: {e.stderr}"]
-    problems = []
+    problems = snapshot_problems(project, files, patch_files, needed, edited, where)
     for path, content in expected.items():
         if tree.get(path) != content:
             problems.append(f"{where}: {path}: the applied series differs from the overlay file torch_overlay/{path}")
@@ -110,6 +121,33 @@ def base_problems(project: Project, found: Pristine, base: Base) -> list[str]:
             problems.append(f"{path}: in the applied series but missing in this repo; restore it or drop it")
         elif tree[path] != project.repo_file(path).read_bytes():
             problems.append(f"{where}: {path}: the applied series differs from the test file in this repo")
+    return problems
+
+
+def snapshot_problems(
+    project: Project,
+    files: dict[str, bytes],
+    patch_files: list[Path],
+    needed: list[Patch],
+    edited: list[str],
+    where: str,
+) -> list[str]:
+    """Where patches 1..k, applied in order, do not give patch k's snapshot of a file exactly (empty if they do).
+
+    A snapshot is patch k's version by definition; this checks that ``patches/`` carries it.
+    """
+    problems = []
+    for k, patch in enumerate(needed):
+        if not patch.snapshots:
+            continue
+        try:
+            tree = apply_series(files, patch_files[: k + 1], [f"--exclude={path}" for path in edited])
+        except PatchApplyError as e:
+            return [f"{where}: patches/{e.patch.name}: does not apply in order onto the pristine files: {e.stderr}"]
+        for path in patch.snapshots:
+            if tree.get(path) != snapshot_file(project.series_toml, patch, path).read_bytes():
+                snapshot = snapshot_file(project.series_toml, patch, path).relative_to(project.root)
+                problems.append(f"{where}: {patch_files[k].name} does not give its snapshot {snapshot}")
     return problems
 
 

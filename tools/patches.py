@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
-from tools.series import Patch, SeriesError, edit_owner, file_states, load_author, load_series
+from tools.series import Patch, SeriesError, edit_owner, file_states, load_author, load_series, load_snapshots
 from torch_overlay import _git
 from torch_overlay._patchset import SERIES_FILE
 
@@ -213,7 +213,8 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
                 f"{project.series_toml}: {', '.join(unneeded)}: fixed upstream at or before the oldest base, "
                 f"torch {manifest.bases[0].version}; no base needs it, drop it from the series"
             )
-        states = file_states(patches, base, project.overlay_files())
+        snapshots = load_snapshots(project.series_toml, patches)
+        states = file_states(patches, base, project.overlay_files(), snapshots)
     except SeriesError as e:
         raise PatchError(str(e)) from e
     out: dict[str, bytes] = {}

@@ -4,6 +4,11 @@ Each overlay file is diffed against its pristine base with zero context (difflib
 block must be claimed by exactly one patch. Patch k's version of a file is the base plus the blocks of
 patches 1..k, so applying the series in order rebuilds the overlay exactly.
 
+A patch may instead give its version of a file explicitly (``snapshots``, kept at
+``patches/snapshots/<patch>/<path>``): for a change that a later patch extends inside the same lines, so that
+no block split can cut it (e.g. parameters first, then gradients in the same functions). That patch claims no
+blocks of the file; the next patch's diff of it goes from the snapshot to its own version.
+
 A patch whose bug upstream fixed in a later release (``fixed_upstream_in = "X.Y.Z"``) is a backport: it is in
 the series of the bases older than X.Y.Z only, not in the upstream series. Backports come after every other
 patch, so that each base's series is a prefix of the whole and applies without them.
@@ -50,6 +55,8 @@ class Patch:
     """The torch release that fixed the bug upstream: from it on the patch is not needed (a backport)."""
     over_size_limits: str | None = None
     """Why this patch is accepted over the stack's size limits (:mod:`tools.stack_rules`); shown, never hidden."""
+    snapshots: tuple[str, ...] = ()
+    """Manifest files whose version after this patch is given whole, by :func:`snapshot_file`."""
 
     def needed_on(self, version: str) -> bool:
         """Whether a base of this version needs the patch (it still has the bug)."""
@@ -106,8 +113,15 @@ def load_series(path: Path) -> list[Patch]:
                     upstream_test_edits=tuple(entry.get("upstream_test_edits", [])),
                     fixed_upstream_in=entry.get("fixed_upstream_in"),
                     over_size_limits=entry.get("over_size_limits"),
+                    snapshots=tuple(entry.get("snapshots", [])),
                 )
             )
+            claimed = {c.file for c in claims} & set(patches[-1].snapshots)
+            if claimed:
+                raise SeriesError(
+                    f"{where}: {name} gives {', '.join(sorted(claimed))} as a snapshot and also claims blocks of "
+                    "it; a snapshot is the patch's whole version of the file: drop those claims"
+                )
         except KeyError as e:
             raise SeriesError(f"{where}: missing key {e}") from e
         except re.error as e:
@@ -144,6 +158,27 @@ def load_author(path: Path) -> tuple[str, str]:
             f"malformed ({author!r}).\nSet it once, from `git config user.name` and `git config user.email`."
         )
     return match.group(1), match.group(2)
+
+
+def snapshot_file(series_toml: Path, patch: Patch, path: str) -> Path:
+    """Where ``patch``'s version of manifest file ``path`` is kept: ``patches/snapshots/<patch>/<path>``."""
+    return series_toml.parent / "snapshots" / patch.name / path
+
+
+def load_snapshots(series_toml: Path, patches: list[Patch]) -> dict[tuple[str, str], bytes]:
+    """Every snapshot of the series, by (patch name, manifest path)."""
+    out = {}
+    for patch in patches:
+        for path in patch.snapshots:
+            file = snapshot_file(series_toml, patch, path)
+            try:
+                out[patch.name, path] = file.read_bytes()
+            except OSError as e:
+                raise SeriesError(
+                    f"{file}: patch {patch.name!r} lists {path} in snapshots, but it cannot be read ({e.strerror}); "
+                    "add the file as that patch leaves it, or drop it from snapshots (README, 'Patches')"
+                ) from e
+    return out
 
 
 def edit_owner(patches: list[Patch], patch: Patch, path: str) -> str | None:
@@ -210,13 +245,29 @@ def assign_blocks(patches: list[Patch], base: dict[str, bytes], overlay: dict[st
     return owner
 
 
-def file_states(patches: list[Patch], base: dict[str, bytes], overlay: dict[str, bytes]) -> list[dict[str, bytes]]:
-    """Each manifest file after patches 1..k, for k = 1..n (the last equals the overlay)."""
+def file_states(
+    patches: list[Patch],
+    base: dict[str, bytes],
+    overlay: dict[str, bytes],
+    snapshots: dict[tuple[str, str], bytes] | None = None,
+) -> list[dict[str, bytes]]:
+    """Each manifest file after patches 1..k, for k = 1..n (the last equals the overlay): the patch's snapshot
+    of the file (from :func:`load_snapshots`) where it has one, else the base plus the blocks of 1..k."""
     owner = assign_blocks(patches, base, overlay)
+    snapshots = snapshots or {}
+    unknown = [f"{p.name}: {path}" for p in patches for path in p.snapshots if path not in base]
+    missing = [f"{p.name}: {path}" for p in patches for path in p.snapshots if (p.name, path) not in snapshots]
+    if unknown or missing:
+        raise SeriesError(
+            "series.toml: snapshots of files not in the manifest or not loaded: " + "; ".join(unknown + missing)
+        )
     states = []
-    for k in range(len(patches)):
+    for k, patch in enumerate(patches):
         state = {}
         for path, content in base.items():
+            if path in patch.snapshots:
+                state[path] = snapshots[patch.name, path]
+                continue
             lines = content.decode("utf-8").splitlines(keepends=True)
             for block in reversed(changed_blocks(path, content, overlay[path])):
                 if owner[block] <= k:

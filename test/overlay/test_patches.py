@@ -12,6 +12,7 @@ from unittest import mock
 
 import expecttest
 from _patch_project import (
+    ALPHA,
     BASE,
     OLD_BASE,
     OVERLAY,
@@ -23,6 +24,7 @@ from _patch_project import (
     manifest_text,
     share_upstream_edit,
 )
+from _patch_project import write as write_files
 
 from tools.check import check
 from tools.patches import PatchError, generate, write
@@ -331,6 +333,70 @@ series.toml does not split the overlay into its patches:
             if name == "0001-fix-alpha.patch":
                 self.assertEqual((tree / "test/fake/test_upstream.py").read_text(), SHARED_MID)
         self.assertEqual((tree / "test/fake/test_upstream.py").read_text(), SHARED_NEW)
+
+    def snapshot(self, patch: str, path: str, text: str | None) -> Path:
+        """Give ``patch``'s version of ``path`` as a snapshot holding ``text`` (None: no file)."""
+        toml, entry = self.project.series_toml, f'name = "{patch}"\n'
+        toml.write_text(toml.read_text().replace(entry, f'{entry}snapshots = ["{path}"]\n', 1))
+        if text is not None:
+            write_files(self.project.patches_dir / "snapshots" / patch, {path: text})
+        return self.project.patches_dir / "snapshots" / patch / path
+
+    def test_snapshot_is_the_patch_version_of_a_file(self) -> None:
+        """fix-alpha gives beta.py a first step that extend's blocks cannot give (the same line)."""
+        first_step = BASE["torch/fake/beta.py"].replace("return 1", "return 2")
+        snapshot = self.snapshot("fix-alpha", "torch/fake/beta.py", first_step)
+        files = self.regenerate()
+        self.assertIn("-    return 1\n+    return 2\n", files["0001-fix-alpha.patch"].decode())
+        self.assertIn("-    return 2\n+    return 2  # extended\n", files["0002-extend.patch"].decode())
+        self.assertEqual(self.check(), [])
+        tree = self.tmp / "tree"
+        subprocess.run(["git", "init", "-q", str(tree)], check=True)
+        write_files(tree, BASE)
+        for name, beta in (("0001-fix-alpha.patch", first_step), ("0002-extend.patch", OVERLAY["torch/fake/beta.py"])):
+            exclude = "--exclude=test/fake/test_upstream.py"
+            subprocess.run(["git", "apply", exclude, str(self.project.patches_dir / name)], cwd=tree, check=True)
+            self.assertEqual((tree / "torch/fake/beta.py").read_text(), beta)
+        # The snapshot is the patch's version by definition: patches/ must carry it
+        snapshot.write_text(first_step.replace("return 2", "return 3"))
+        problems = self.check()
+        self.assertIn(
+            "patches/0001-fix-alpha.patch: differs from what the overlay and series.toml generate", problems[0]
+        )
+        self.assertIn(
+            "torch 9.9.0: 0001-fix-alpha.patch does not give its snapshot "
+            "patches/snapshots/fix-alpha/torch/fake/beta.py",
+            problems,
+        )
+
+    def test_snapshot_errors(self) -> None:
+        toml = self.project.series_toml.read_text()
+        self.snapshot("fix-alpha", "torch/fake/alpha.py", ALPHA)
+        with self.assertRaisesRegex(PatchError, "gives torch/fake/alpha.py as a snapshot and also claims blocks of it"):
+            generate(self.project, self.found)
+        self.project.series_toml.write_text(toml)
+        self.snapshot("fix-alpha", "torch/fake/beta.py", None)
+        with self.assertRaisesRegex(PatchError, "patch 'fix-alpha' lists torch/fake/beta.py in snapshots, but it cann"):
+            generate(self.project, self.found)
+
+    def test_snapshot_of_a_file_that_differs_between_bases(self) -> None:
+        """alpha.py differs between 9.8.0 and 9.9.0: a snapshot, one file, cannot serve both."""
+        toml = self.project.series_toml
+        text = toml.read_text().replace('claims = [{ file = "torch/fake/alpha.py", match = "fixed" }]\n', "", 1)
+        toml.write_text(
+            text.replace(
+                'match = "extended" },\n  { file = "torch/fake/beta',
+                'match = "fixed|extended" },\n  { file = "torch/fake/beta',
+                1,
+            )
+        )
+        self.snapshot("fix-alpha", "torch/fake/alpha.py", ALPHA.replace("line 3\n", "line 3 fixed\n"))
+        self.regenerate()
+        self.assertIn(
+            "torch 9.8.0: torch/fake/alpha.py: torch 9.8.0's file differs from torch 9.9.0's, but fix-alpha gives "
+            "its version as a snapshot, which serves one base file only.",
+            "\n".join(self.check()),
+        )
 
     def test_missing_diff_of_a_listed_upstream_edit(self) -> None:
         share_upstream_edit(self.project, self.tmp)

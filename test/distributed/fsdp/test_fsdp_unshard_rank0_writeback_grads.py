@@ -1,0 +1,130 @@
+# Owner(s): ["oncall: distributed"]
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecision
+from torch.testing._internal.common_utils import run_tests
+
+from test_fsdp_unshard_rank0_writeback import (
+    _edit,
+    _edits,
+    BOTH,
+    _Rank0WritebackTest,
+    _summon_rank0,
+    FULL,
+    GRAD_OP,
+    HYBRID,
+    NO_SHARD,
+)
+
+
+class TestUnshardRank0WritebackGrads(_Rank0WritebackTest):
+    """
+    ``summon_full_params(writeback=True, rank0_only=True, with_grads=True)`` on two
+    ranks: rank 0's changes to the gradients reach every rank too.
+    """
+
+    world_size = 2
+
+    def test_rank0_writeback_grads(self):
+        """Rank 0's edits reach every rank, and training goes on from there."""
+        self.run_subtests(
+            {
+                "sharding_strategy": [FULL, GRAD_OP, NO_SHARD],
+                "use_orig_params": BOTH,
+                "offload_to_cpu": BOTH,
+            },
+            self._test_rank0_writeback,
+            with_grads=True,
+        )
+
+    def test_rank0_writeback_grads_on_some_ranks(self):
+        """
+        A rank without a gradient receives rank 0's, with mixed precision too; without a
+        gradient on any rank, the parameters are written back and no rank gets one.
+        """
+        self.run_subtests(
+            {
+                "sharding_strategy": [FULL, NO_SHARD],
+                "use_orig_params": BOTH,
+                "grad_on_rank0": BOTH,
+                "mixed_precision": [None, MixedPrecision(param_dtype=torch.bfloat16)],
+            },
+            self._test_rank0_writeback_grads_on_some_ranks,
+        )
+
+    def _test_rank0_writeback_grads_on_some_ranks(self, grad_on_rank0, **kwargs):
+        model, reference = self._models(backward=True, **kwargs)
+        if self.rank != 0 or not grad_on_rank0:
+            model.zero_grad(set_to_none=True)
+        with _summon_rank0(model, with_grads=True):
+            params = list(model.parameters())
+            if self.rank == 0:
+                self.assertEqual(
+                    [p.grad is None for p in params], [not grad_on_rank0] * 3
+                )
+                _edit(params, with_grads=grad_on_rank0)
+        self._check_idle_and_resharded(model)
+        ref_params = list(reference.parameters())
+        _edit(ref_params, with_grads=False)
+        for ref, grad in zip(ref_params, _edits(ref_params, grads=True), strict=True):
+            ref.grad = grad if grad_on_rank0 else None
+        self._check_full(model, reference, with_grads=True)
+
+    def test_rank0_writeback_grads_body_raises(self):
+        """If the body raises on rank 0 after editing, nothing is written back."""
+        self.run_subtests(
+            {
+                "sharding_strategy": [FULL, NO_SHARD],
+                "use_orig_params": BOTH,
+            },
+            self._test_body_raises,
+            with_grads=True,
+        )
+
+    def test_rank0_writeback_grads_other_ranks_allocate_at_most_a_shard(self):
+        self.run_subtests(
+            {
+                "sharding_strategy": [FULL, GRAD_OP],
+                "use_orig_params": BOTH,
+            },
+            self._test_allocate_at_most_a_shard,
+            with_grads=True,
+        )
+
+    def test_rank0_writeback_grads_padding_stays_zeros(self):
+        """The padding of the last rank's gradient shard stays zeros too."""
+        self.run_subtests(
+            {
+                "sharding_strategy": [FULL, GRAD_OP],
+                "use_orig_params": BOTH,
+            },
+            self._test_padding_stays_zeros,
+            with_grads=True,
+        )
+
+    def test_rank0_writeback_grads_collectives(self):
+        config = {"fail": [None, "scatter"]}
+        self.run_subtests(config, self._test_collectives, with_grads=True)
+
+
+class TestUnshardRank0WritebackGradsHybrid(_Rank0WritebackTest):
+    """Hybrid sharding on a 2 x 2 mesh: every replica gets rank 0's gradients."""
+
+    world_size = 4
+
+    def test_rank0_writeback_grads_hybrid_shard(self):
+        mesh = init_device_mesh(self.device.type, (2, 2))
+        self.run_subtests(
+            {
+                "sharding_strategy": HYBRID,
+                "use_orig_params": BOTH,
+            },
+            self._test_hybrid_shard,
+            device_mesh=mesh,
+            with_grads=True,
+        )
+
+
+if __name__ == "__main__":
+    run_tests()
