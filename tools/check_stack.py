@@ -33,7 +33,7 @@ from tools.patches import commit_message
 from tools.pristine import BaseSourceError, pristine
 from tools.project import Project, default_project
 from tools.series import Patch, SeriesError, load_series, series_for
-from tools.stack_rules import DiffStats, diff_stats, split_patch, violations, waived
+from tools.stack_rules import DiffStats, diff_stats, split_patch, violations
 from torch_overlay._guard import BaseMismatchError, check_base
 from torch_overlay._manifest import Base
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
@@ -132,11 +132,6 @@ def rule_violations(project: Project) -> list[str]:
     ]
 
 
-def waivers(project: Project) -> list[str]:
-    """The size limits the upstream series is over by recorded exceptions, one line each, naming the patch."""
-    return [f"{entry.file.name}: {note}" for entry in stack(project) for note in waived(entry.patch, entry.stats)]
-
-
 def stack_table(project: Project) -> str:
     """The README's table of the upstream stack (markdown): one row per patch, in order."""
     rows = ["| # | title | changed lines (code / with tests) | Fixes | tests |", "|---|---|---|---|---|"]
@@ -145,8 +140,6 @@ def stack_table(project: Project) -> str:
         tests = [t for t in entry.patch.test_files if Path(t).name.startswith("test_")]
         title = entry.patch.title.replace("|", "\\|")
         size = f"{entry.stats.code} / {entry.stats.total}"
-        if waived(entry.patch, entry.stats):
-            size += " (over the limits: `over_size_limits`)"
         row = [str(entry.number), title, size, fixes or "-"]
         rows.append("| " + " | ".join([*row, ", ".join(f"`{t}`" for t in tests)]) + " |")
     return "\n".join(rows)
@@ -328,19 +321,16 @@ def main(argv: list[str] | None = None) -> int:
             what = "applied and imported" if args.import_only else "applied, imported and tested"
             verdict = f"{len(bad)} of {len(results)} prefixes FAILED" if bad else f"all {len(results)} prefixes {what}"
             print(f"check-stack: torch {base.version}: {verdict} ({time.monotonic() - start:.0f} s)")
-        problems, notes = rule_violations(project), waivers(project)
+        problems = rule_violations(project)
     except (StackError, BaseSourceError) as e:
         print(f"make check-stack: {e}", file=sys.stderr)
         return 1
-    for note in notes:
-        print(f"stack rule waived: {note}")
     for problem in problems:
         print(f"stack rule broken: {problem}")
     if problems:
         print(f"check-stack: {len(problems)} stack rule violations in the upstream series (README, 'Patches')")
     else:
-        waived_note = f" ({len(notes)} size limit(s) waived, above)" if notes else ""
-        print(f"check-stack: every patch of the upstream series meets the stack rules{waived_note}")
+        print("check-stack: every patch of the upstream series meets the stack rules")
     return 1 if failed or problems else 0
 
 

@@ -53,8 +53,6 @@ class Patch:
     ``<path>.<name>.diff`` where several patches edit the file (:func:`edit_owner`)."""
     fixed_upstream_in: str | None = None
     """The torch release that fixed the bug upstream: from it on the patch is not needed (a backport)."""
-    over_size_limits: str | None = None
-    """Why this patch is accepted over the stack's size limits (:mod:`tools.stack_rules`); shown, never hidden."""
     snapshots: tuple[str, ...] = ()
     """Manifest files whose version after this patch is given whole, by :func:`snapshot_file`."""
 
@@ -112,7 +110,6 @@ def load_series(path: Path) -> list[Patch]:
                     tests=tuple(entry.get("tests", [])),
                     upstream_test_edits=tuple(entry.get("upstream_test_edits", [])),
                     fixed_upstream_in=entry.get("fixed_upstream_in"),
-                    over_size_limits=entry.get("over_size_limits"),
                     snapshots=tuple(entry.get("snapshots", [])),
                 )
             )

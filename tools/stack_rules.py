@@ -125,8 +125,7 @@ def violations(patch: Patch, message: str, stats: DiffStats) -> list[str]:
     said = sorted({int(n) for n in _FIXES.findall(message)})
     if said != sorted(set(patch.fixes)):
         problems.append(f"the message says Fixes {_issues(said)}, but series.toml's fixes are {_issues(patch.fixes)}")
-    if patch.over_size_limits is None:
-        problems += size_problems(stats)
+    problems += size_problems(stats)
     texts = [("the message", message)] + [
         (f"{path} (added lines)", "\n".join(line for p, line in stats.added if p == path))
         for path in dict.fromkeys(p for p, _ in stats.added)
@@ -146,13 +145,6 @@ def size_problems(stats: DiffStats) -> list[str]:
     if stats.total > MAX_TOTAL_LINES:
         problems.append(f"{stats.total} changed lines with tests, at most {MAX_TOTAL_LINES}")
     return problems
-
-
-def waived(patch: Patch, stats: DiffStats) -> list[str]:
-    """The size limits a patch is over by a recorded exception (``over_size_limits``), with its reason."""
-    if patch.over_size_limits is None:
-        return []
-    return [f"{problem}; accepted: {' '.join(patch.over_size_limits.split())}" for problem in size_problems(stats)]
 
 
 def _issues(numbers: tuple[int, ...] | list[int]) -> str:
