@@ -261,15 +261,19 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         )
 
     def test_optimizer_built_before_wrapping_raises(self):
-        """An optimizer over the replaced DTensor parameters fails at its first step."""
+        """An optimizer, or a loss, over the replaced DTensor parameters raises."""
         mesh = self.mesh()
         for wrap in (DDP, replicate):
             _, model = self.build(mesh)
             optim = torch.optim.SGD(model.parameters(), lr=0.05)
+            kept = [p for p in model.parameters() if isinstance(p, DTensor)]
             ddp = wrap(model, device_mesh=mesh["dp"])
             ddp(self.inputs(mesh, 0)).sum().backward()
             with self.assertRaisesRegex(RuntimeError, "Build the optimizer after"):
                 optim.step()
+            penalty = sum(p.to_local().pow(2).sum() for p in kept)
+            with self.assertRaisesRegex(RuntimeError, "Compute the loss from"):
+                penalty.backward()
 
     def test_no_sync_gradient_accumulation(self):
         """Gradients accumulated under no_sync() over micro-batches match."""

@@ -146,6 +146,19 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
             )
 
 
+def _raise_replaced_param_grad(param: torch.Tensor) -> None:
+    """
+    A loss computed from a replaced DTensor parameter (e.g. a penalty over
+    parameters taken before ``DDP(...)``) would give its gradient to nothing.
+    """
+    param.grad = None  # nothing piles up if the caller catches the error
+    raise RuntimeError(
+        "A gradient reached a TP parameter that DDP/replicate(device_mesh=...) "
+        "replaced by a local one.\nCompute the loss from the parameters the model "
+        "holds after `DDP(...)`."
+    )
+
+
 def _localize_dtensor(
     module: nn.Module, *_: Any, ignored_params: set[nn.Parameter] | None = None
 ):
@@ -168,6 +181,8 @@ def _localize_dtensor(
             t = nn.Parameter(t, requires_grad=param.requires_grad)
             t._st_info = sharding_info  # type: ignore[attr-defined]
             setattr(param, _REPLACED_ATTR, True)
+            if id(param) not in localized and param.requires_grad:
+                param.register_post_accumulate_grad_hook(_raise_replaced_param_grad)
             owner, attr = _get_submodule_n_params(module, name)
             owner._parameters[attr] = localized.setdefault(id(param), t)
             owners.setdefault(owner, {})[attr] = sharding_info
