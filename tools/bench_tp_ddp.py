@@ -149,8 +149,11 @@ def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list
 
     def hooks_of(model: nn.Module, names: set[str]) -> Callable[[], None]:
         """Call the named forward pre-hooks and forward hooks of every module of ``model``, as one forward does."""
-        pre = [(m, h) for m in model.modules() for h in m._forward_pre_hooks.values() if h.__name__ in names]
-        post = [(m, h) for m in model.modules() for h in m._forward_hooks.values() if h.__name__ in names]
+        def name(hook) -> str:  # the overlay registers functools.partial objects
+            return getattr(hook, "func", hook).__name__
+
+        pre = [(m, h) for m in model.modules() for h in m._forward_pre_hooks.values() if name(h) in names]
+        post = [(m, h) for m in model.modules() for h in m._forward_hooks.values() if name(h) in names]
         assert pre and post, names
 
         def call() -> None:
@@ -169,9 +172,9 @@ def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list
     torch_overlay.activate()
     model = _tp_model(mesh, blocks, 8, 8)
     DDP(model, device_mesh=mesh["dp"])
-    locals_ = [p for p in model.parameters() if hasattr(p, "_st_info")]
+    locals_ = [p for p in model.parameters() if isinstance(p, DTensor)]
     assert len(locals_) >= params, len(locals_)
-    specs = [(p, p._st_info) for p in locals_]
+    specs = [(p.to_local(), p._spec) for p in locals_]
     # The hooks DDP(device_mesh=...) registers (the root's and, in the overlay, each owner's), not the
     # input/output hooks of ColwiseParallel/RowwiseParallel.
     transform = {"_reconstruct_dtensor", "_localize_dtensor"}

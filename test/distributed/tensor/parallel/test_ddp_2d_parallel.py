@@ -63,18 +63,9 @@ class Test2dParallelIntegration(DTensorTestBase):
                 print(name, named_parameters.keys())
             self.assertTrue(name in named_parameters)
             param_m1 = named_parameters[name]
-            spec = getattr(param_m2, "_st_info", None)
             if check_grad:
                 param_m2 = param_m2.grad
                 param_m1 = param_m1.grad
-            if spec is not None:  # the local shard of a TP parameter
-                param_m2 = DTensor.from_local(
-                    param_m2,
-                    spec.mesh,
-                    spec.placements,
-                    shape=spec.shape,
-                    stride=spec.stride,
-                )
             if isinstance(param_m2, DTensor):
                 replicate = [Replicate()]
                 param_m2 = param_m2.redistribute(

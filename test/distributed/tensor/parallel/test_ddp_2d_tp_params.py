@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import functools
 import shutil
 import sys
 import tempfile
@@ -113,14 +114,15 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         torch.manual_seed(1000 * step + mesh["dp"].get_local_rank())
         return torch.randn(4, DIM, device=self.device_type)
 
-    def ref_ddp(self, mesh, reference):
-        return DDP(reference, process_group=mesh["dp"].get_group())
+    def ref_ddp(self, mesh, reference, **options):
+        return DDP(reference, process_group=mesh["dp"].get_group(), **options)
 
     def train(self, mesh, pairs, steps, optim_cls=torch.optim.SGD):
         """Train ``(ddp, module)`` pairs alike; return their optimizers."""
         optims = [optim_cls(m.parameters(), lr=0.05) for _, m in pairs]
         ddps = [ddp for ddp, _ in pairs]
-        self.step(mesh, list(zip(ddps, optims, strict=True)), steps)
+        if steps:
+            self.step(mesh, list(zip(ddps, optims, strict=True)), steps)
         return optims
 
     def step(self, mesh, pairs, steps):
@@ -138,55 +140,58 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         names = [name for name, _ in model.named_parameters()]
         self.assertEqual(names, [name for name, _ in reference.named_parameters()])
         for name, ref in reference.named_parameters():
-            local = model.get_parameter(name)
-            grad, spec = local.grad, getattr(local, "_st_info", None)
-            if grad is not None and spec is not None:  # a TP parameter's shard
-                kw = {"shape": spec.shape, "stride": spec.stride}
-                grad = DTensor.from_local(grad, spec.mesh, spec.placements, **kw)
+            param = model.get_parameter(name)
+            grad = param.grad
+            if grad is not None:  # the TP alone layout: a DTensor like its parameter
+                self.assertEqual(type(grad), type(param.data), msg=name)
+                if isinstance(grad, DTensor):
+                    self.assertEqual(grad.placements, param.placements, msg=name)
             self.assertEqual(None if grad is None else full(grad), ref.grad, msg=name)
 
+    def wrap(self, mesh, model, wrap="ddp", **options):
+        if wrap == "replicate":
+            return replicate(model, device_mesh=mesh["dp"], **options)
+        return DDP(model, device_mesh=mesh["dp"], **options)
+
     def test_tp_params_stay_registered(self):
-        """The same local parameters stay registered, before and after forwards."""
+        """The same DTensor parameters stay registered, before and after forwards."""
         mesh = self.mesh()
-        _, model = self.build(mesh)
-        ddp = DDP(model, device_mesh=mesh["dp"])
-        before = dict(model.named_parameters())
-
-        def sizes():
-            hooks = [(len(m._forward_hooks), len(m.__dict__)) for m in model.modules()]
-            return hooks + [len(p._backward_hooks or {}) for p in before.values()]
-
-        first, seen = sizes(), []
-        net1 = model.blocks[0].net1
-        net1.register_forward_pre_hook(lambda m, i: seen.append(m.weight))
-        for step in range(2):
-            ddp(self.inputs(mesh, step)).sum().backward()
-            after = dict(model.named_parameters())
-            self.assertEqual(list(after), list(before), "parameters disappeared")
-            for name, param in before.items():
-                self.assertIs(after[name], param, name)
-        self.assertEqual(set(model.state_dict()), set(before))
-        self.assertEqual(sizes(), first, "hooks or state grew with the forwards")
-        local = net1.weight
-        self.assertEqual(type(local), nn.Parameter)
-        self.assertEqual(local._st_info, seen[0]._spec)  # clip_grad_norm_ uses it
-        self.assertIsNotNone(local.grad)
-        # During its owner's forward, a zero-copy DTensor view of global shape.
-        self.assertIsInstance(seen[0], DTensor)
-        self.assertEqual(seen[0].shape, (2 * DIM, DIM))
-        self.assertEqual(seen[0].to_local().data_ptr(), local.data_ptr())
-        # Unchanged parameters: the same view, forward after forward.
-        self.assertIs(seen[1], seen[0])
+        for wrap in ("ddp", "replicate"):
+            _, model = self.build(mesh)
+            before = dict(model.named_parameters())
+            ddp = self.wrap(mesh, model, wrap)
+            seen, sizes = [], []
+            net1 = model.blocks[0].net1
+            for step in range(3):
+                after = dict(model.named_parameters())
+                self.assertEqual(list(after), list(before), "parameters disappeared")
+                for name, param in before.items():
+                    self.assertIs(after[name], param, name)
+                ddp(self.inputs(mesh, step)).sum().backward()
+                if step == 0:  # after replicate()'s lazy init
+                    net1.register_forward_pre_hook(lambda m, i: seen.append(m.weight))
+                hooks = [
+                    (m._forward_pre_hooks, m._forward_hooks) for m in model.modules()
+                ]
+                sizes.append([(len(a), len(b)) for a, b in hooks])
+            self.assertEqual(sizes[2], sizes[1], "hooks grew with the forwards")
+            for key, value in model.state_dict().items():
+                self.assertEqual(isinstance(value, DTensor), key.startswith("blocks"))
+            # During its owner's forward, a zero-copy DTensor view of the parameter.
+            weight = net1.weight
+            self.assertIsInstance(seen[0], DTensor)
+            self.assertIsNot(seen[0], weight)
+            local = seen[0].to_local()
+            self.assertEqual(local.data_ptr(), weight.to_local().data_ptr())
+            self.assertIs(seen[1], seen[0])  # unchanged: the same view
+            self.assertIsInstance(weight.grad, DTensor)
 
     def test_state_dict_and_dcp_round_trip(self):
         """state_dict() gives global DTensors; DCP save -> load round-trips bitwise."""
         mesh = self.mesh()
         reference, model = self.build(mesh)
         ddp = DDP(model, device_mesh=mesh["dp"])
-        sd = model.state_dict()  # global DTensors, as for TP alone
         self.assertEqual(full_state(model), reference.state_dict())
-        for key, value in sd.items():
-            self.assertEqual(isinstance(value, DTensor), key.startswith("blocks"))
         self.train(mesh, [(ddp, model)], range(2))
         path = [tempfile.mkdtemp() if self.rank == 0 else None]
         dist.broadcast_object_list(path)
@@ -211,7 +216,7 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         ddp(x).sum().backward()
         self.assertEqual(copy.deepcopy(model)(x), other(x))  # views are not leaves
         self.assertEqual(model.blocks[1](x), other.blocks[1](x))  # called directly
-        model.double()  # sets each parameter's .data
+        model.double()  # gives each DTensor parameter a new local tensor
         other.double()
         self.assertEqual(model(x.double()), other(x.double()))
 
@@ -219,36 +224,42 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         mesh = self.mesh()
         # Non-reentrant activation checkpointing recomputes the TP blocks.
         reference, model = self.build(mesh, frozen_tied, use_checkpoint=wrap == "ddp")
-        if wrap == "replicate":
-            ddp = replicate(model, device_mesh=mesh["dp"])
-        elif wrap == "ddp":
-            ddp = DDP(model, device_mesh=mesh["dp"])
-        else:
-            options = {"gradient_as_bucket_view": True, "static_graph": True}
-            ddp = DDP(model, device_mesh=mesh["dp"], **options)
+        # Built before wrapping, as TP alone allows: it holds the same parameters.
+        optims = self.train(mesh, [(None, model), (None, reference)], [])
+        options = {
+            "bucket_view_static_graph": {
+                "gradient_as_bucket_view": True,
+                "static_graph": True,
+            },
+            "find_unused_parameters": {"find_unused_parameters": True},
+        }.get(wrap, {})
+        ddp = self.wrap(
+            mesh, model, "replicate" if wrap == "replicate" else "ddp", **options
+        )
         if first_forward is not None:
             # Views made here must not be reused for training: they would have
             # no autograd node, or be inference tensors.
             with first_forward():
                 ddp(self.inputs(mesh, 0))
-        ref_ddp = self.ref_ddp(mesh, reference)
-        optims = self.train(mesh, [(ddp, model), (ref_ddp, reference)], [])
+        ref_ddp = self.ref_ddp(mesh, reference, **options)
         for step in range(3):
             x = self.inputs(mesh, step)
             loss, ref_loss = ddp(x).pow(2).sum(), ref_ddp(x).pow(2).sum()
             self.assertEqual(loss, ref_loss, msg=f"step {step}")
+            for optim in optims:  # cleared between forward and backward
+                optim.zero_grad()
             loss.backward()
             ref_loss.backward()
             self.assert_grads_match(model, reference)
             for optim in optims:
                 optim.step()
-                optim.zero_grad()
         self.assertEqual(full_state(model), reference.state_dict())
 
     def test_training_parity(self):
-        """Losses, gradients and parameters match a non-TP DDP reference."""
+        """Losses, DTensor gradients and parameters match a non-TP DDP reference."""
+        wraps = ["ddp", "bucket_view_static_graph", "find_unused_parameters"]
         self.run_subtests(
-            {"wrap": ["ddp", "ddp_options", "replicate"], "frozen_tied": [False, True]},
+            {"wrap": [*wraps, "replicate"], "frozen_tied": [False, True]},
             self._check_parity,
         )
 
@@ -260,20 +271,67 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             wrap="ddp",
         )
 
-    def test_optimizer_built_before_wrapping_raises(self):
-        """An optimizer, or a loss, over the replaced DTensor parameters raises."""
+    def test_foreach_optimizer_with_plain_params(self):
+        """AdamW(foreach=True) and the defaults train DTensor and plain parameters."""
         mesh = self.mesh()
-        for wrap in (DDP, replicate):
-            _, model = self.build(mesh)
-            optim = torch.optim.SGD(model.parameters(), lr=0.05)
-            kept = [p for p in model.parameters() if isinstance(p, DTensor)]
-            ddp = wrap(model, device_mesh=mesh["dp"])
-            ddp(self.inputs(mesh, 0)).sum().backward()
-            with self.assertRaisesRegex(RuntimeError, "Build the optimizer after"):
-                optim.step()
-            penalty = sum(p.to_local().pow(2).sum() for p in kept)
-            with self.assertRaisesRegex(RuntimeError, "Compute the loss from"):
-                penalty.backward()
+        for foreach in (True, None):
+            reference, model = self.build(mesh)
+            ddp = DDP(model, device_mesh=mesh["dp"])
+            pairs = [(ddp, model), (self.ref_ddp(mesh, reference), reference)]
+            optim = functools.partial(torch.optim.AdamW, foreach=foreach)
+            self.train(mesh, pairs, range(2), optim)
+            self.assertEqual(full_state(model), reference.state_dict())
+
+    def test_two_step_clip_gives_the_global_norm(self):
+        """get_total_norm over p.grad + clip_grads_with_norm_, as TP alone allows."""
+        mesh = self.mesh()
+        for wrap in ("ddp", "replicate"):
+            torch.manual_seed(0)
+            reference = MLP().to(self.device_type)
+            model = copy.deepcopy(reference)
+            plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+            parallelize_module(model, mesh["tp"], plan)
+            ddp, ref_ddp = self.wrap(mesh, model, wrap), self.ref_ddp(mesh, reference)
+            for step in range(2):
+                x = self.inputs(mesh, step)
+                for d, m in ((ddp, model), (ref_ddp, reference)):
+                    d(x).pow(2).sum().backward()
+                    grads = [p.grad for p in m.parameters()]
+                    norm = torch.nn.utils.get_total_norm(grads)
+                    norm = full(norm)
+                    torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.5, norm)
+                    if m is model:
+                        tp_norm = norm
+                self.assertEqual(tp_norm, norm, msg=wrap)
+                self.assert_grads_match(model, reference)
+                for m in (model, reference):
+                    m.zero_grad()
+
+    def test_init_after_replicate_equals_tp_alone(self):
+        """Materialize from meta and initialize after replicate(): as TP alone."""
+        mesh = self.mesh()
+        models = []
+        for wrap in (True, False):
+            with torch.device("meta"):
+                model = Model()
+            parallelize_module(model, mesh["tp"], TP_PLAN)
+            if wrap:
+                replicate(model, device_mesh=mesh["dp"])
+            model.to_empty(device=self.device_type)
+            torch.manual_seed(5)  # the same on every rank, as TP requires
+            for m in model.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.kaiming_uniform_(m.weight, a=5**0.5)  # fan-in: global
+                    nn.init.uniform_(m.bias, -0.1, 0.1)
+            models.append(model)
+        model, tp_alone = models
+        self.assertEqual(full_state(model), full_state(tp_alone), atol=0, rtol=0)
+        # Training goes on from there like a non-TP model with the same values.
+        reference = Model().to(self.device_type)
+        reference.load_state_dict(full_state(tp_alone))
+        pairs = [(model, model), (self.ref_ddp(mesh, reference), reference)]
+        self.train(mesh, pairs, range(2))
+        self.assertEqual(full_state(model), reference.state_dict())
 
     def test_no_sync_gradient_accumulation(self):
         """Gradients accumulated under no_sync() over micro-batches match."""
@@ -290,20 +348,18 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         self.assert_grads_match(model, reference)
 
     def test_load_state_dict_assign_after_wrapping(self):
-        """load_state_dict(assign=True) keeps the TP parameters DDP holds."""
+        """load_state_dict(assign=True) after wrapping, then training, as TP alone."""
         mesh = self.mesh()
         _, model = self.build(mesh)
         ddp = DDP(model, device_mesh=mesh["dp"])
         _, other = self.build(mesh, seed=1)  # TP only: state_dict() of DTensors
-        params = dict(model.named_parameters())
-        sd = other.state_dict()
+        sd = copy.deepcopy(other.state_dict())
         tp_sd = {k: v for k, v in sd.items() if isinstance(v, DTensor)}
         model.load_state_dict(tp_sd, strict=False, assign=True)
-        # Plain parameters are replaced by assign=True, as under DDP without TP.
-        plain_sd = {k: v for k, v in sd.items() if k not in tp_sd}
-        model.load_state_dict(plain_sd, strict=False)
-        for name, param in model.named_parameters():
-            self.assertIs(param, params[name], name)
+        # Plain parameters are not replaced, as under DDP without TP.
+        model.load_state_dict(
+            {k: sd[k] for k in sd.keys() - tp_sd.keys()}, strict=False
+        )
         self.assertEqual(full_state(model), full_state(other), atol=0, rtol=0)
         other_ddp = DDP(other, device_mesh=mesh["dp"])
         self.train(mesh, [(ddp, model), (other_ddp, other)], range(2))
@@ -317,12 +373,14 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         reference = copy.deepcopy(model)
         plan = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(model, mesh["tp"], plan)
+        weight = model.weight
         replicate(model, device_mesh=mesh["dp"])
         x = self.inputs(mesh, 0)
         self.assertEqual(model(x), reference(x))
         with self.assertRaises(RuntimeError):
             model(torch.randn(4, DIM + 1, device=self.device_type))  # on every rank
-        self.assertNotIsInstance(model.weight, DTensor)
+        self.assertNotIn("weight", model.__dict__)
+        self.assertIs(model.weight, weight)
         self.assertEqual(model(x), reference(x))
 
     def test_dcp_state_dict_helpers(self):

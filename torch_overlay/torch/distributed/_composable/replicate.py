@@ -86,11 +86,20 @@ class _ReplicateState(_State):
 
         self.has_initialized = True
         self.module = module
-        ignored_params = _get_ignored_params(module, ignored_modules)
+        ignored_params = {p for m in ignored_modules for p in m.parameters()}
+        for submodule in module.modules():
+            if _is_fully_sharded(submodule):
+                ignored_params.update(submodule.parameters())
         from torch.distributed.tensor.parallel.ddp import _localize_dtensor
 
-        _localize_dtensor(module, ignored_params=ignored_params)
+        # Called in the module's forward pre-hook: its own views start now.
+        local_params = _localize_dtensor(
+            module, ignored_params=ignored_params, in_forward=True
+        )
         self._collect_params(module, ignored_modules, ignored_params)
+        # DDP reduces the local tensors of the DTensor parameters.
+        for i, param in enumerate(self._param_list):
+            self._param_list[i] = local_params.leaves.get(param, param)
 
         if "device_id" in kwargs:
             # replicate() supports a small usability enhancement where
@@ -175,17 +184,6 @@ class DDP:
         replicate.state(self)._comm_hook_args.append((args, kwargs))  # type: ignore[arg-type]
 
 
-def _get_ignored_params(
-    module: nn.Module, ignored_modules: set[nn.Module]
-) -> set[nn.Parameter]:
-    """The parameters of ``ignored_modules`` and of ``fully_shard`` submodules."""
-    ignored_params = {p for m in ignored_modules for p in m.parameters()}
-    for submodule in module.modules():
-        if _is_fully_sharded(submodule):
-            ignored_params.update(submodule.parameters())
-    return ignored_params
-
-
 @contract(state_cls=_ReplicateState)
 def replicate(
     module: nn.Module,
@@ -196,11 +194,6 @@ def replicate(
 
     Args:
         module (torch.nn.Module): module to replicate
-
-    With a ``device_mesh`` sliced from a 2-D mesh (tensor parallel ``module``),
-    the DTensor parameters are replaced by their local shards when this is
-    called: build the optimizer after ``replicate()``, from
-    ``module.parameters()``; one built before raises at its first ``step()``.
 
     Example::
         >>> # xdoctest: +REQUIRES(module:torch._C._distributed_c10d)
@@ -230,26 +223,6 @@ def replicate(
 
     state = replicate.state(module)
     module.register_forward_pre_hook(state.forward_pre_hook, with_kwargs=True)
-    device_mesh = kwargs.get("device_mesh")
-    if device_mesh is not None:
-        root_mesh = device_mesh._get_root_mesh()
-        # if a root mesh is not the same as device_mesh,
-        # meaning the device_mesh is sliced out from the root mesh.
-        if root_mesh != device_mesh:
-            # TODO: This is a temporary work around to enable DDP + TP.
-            # We should do the logic in DDP so that the 2D implementation is
-            # sound and the state_dict works out of the box.
-            #
-            # This won't conflict with what is done in DDP class as the module
-            # replicate is going to pass is NOT the original module.
-            from torch.distributed.tensor.parallel.ddp import _localize_dtensor
-
-            # Localize now, as DDP does, so that an optimizer built after
-            # replicate() holds the local parameters that DDP trains.
-            _localize_dtensor(
-                module, ignored_params=_get_ignored_params(module, ignored_modules)
-            )
-
     module.register_forward_hook(state.forward_post_hook)  # type: ignore[arg-type]
 
     state.record_init_args(module, ignored_modules, **kwargs)

@@ -1,16 +1,17 @@
 # mypy: allow-untyped-defs
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel._data_parallel_utils import (
     _flatten_tensor,
     sync_grad_hook,
 )
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 __all__ = []  # type: ignore[var-annotated]
@@ -28,191 +29,198 @@ def _get_submodule_n_params(module: nn.Module, path: str):
     return module, path
 
 
-# Each module owning localized DTensor parameters keeps its views here, and each
-# replaced DTensor parameter is marked (see ``_check_optimizer_params``).
-_VIEWS_ATTR = "_dp_dtensor_param_views"
-_REPLACED_ATTR = "_replaced_by_dp_local_param"
-_optimizer_check_handle = None
-
-
+# NOTE: DDP reduces plain tensors, while the module keeps its DTensor parameters.
+# Each DTensor parameter gets a leaf ``nn.Parameter`` sharing the storage of its
+# local tensor, which DDP's reducer holds. During its owner's forward, a DTensor
+# view of the leaf shadows the parameter (in ``module.__dict__``), so gradients
+# reach the leaf and DDP reduces them in its buckets. Around the leaf's gradient
+# accumulation, its ``.grad`` follows the parameter's: before, it starts from the
+# parameter's gradient (or none, after ``zero_grad()``); once DDP has finished,
+# the parameter's gradient is a DTensor view of the leaf's. Optimizer updates
+# reach the leaf through the shared storage.
 @dataclass
-class _DTensorParamViews:
-    """
-    The localized DTensor parameters of one module, by name, with their global
-    specs (a deep copy of a parameter has no ``_st_info``). During the module's
-    forward, ``module.__dict__[name]`` shadows the local ``nn.Parameter`` with a
-    DTensor view of it, so the forward computes on DTensors and gradients flow
-    to the local shard. ``depth`` counts re-entries; ``cache``: see ``_view``.
-    """
+class _LocalParams:
+    """The leaves of a module's DTensor parameters, by parameter and by owner."""
 
-    specs: dict[str, DTensorSpec]
-    depth: int = 0
-    cache: dict[str, tuple[nn.Parameter, int, DTensor]] = field(default_factory=dict)
+    leaves: dict[nn.Parameter, nn.Parameter] = field(default_factory=dict)
+    owners: dict[nn.Module, dict[str, nn.Parameter]] = field(default_factory=dict)
+    homes: dict[nn.Parameter, tuple[nn.Module, str]] = field(default_factory=dict)
+    """An owner of each leaf and the parameter's name there."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = field(default_factory=list)
+    """The DTensor parameters that their leaves replace until ``restore()``."""
+    depth: dict[nn.Module, int] = field(default_factory=dict)
+    views: dict[tuple[nn.Module, str], tuple[nn.Parameter, int, DTensor]] = field(
+        default_factory=dict
+    )
+    grad_accumulators: list[Any] = field(default_factory=list)
+    sync_queued: bool = False
+
+    def slots(self):
+        """Each leaf with the DTensor parameter it stands for in each owner."""
+        for owner, leaves in self.owners.items():
+            for name, leaf in leaves.items():
+                param = owner._parameters[name]
+                if isinstance(param, DTensor):
+                    yield leaf, param
+
+    def restore(self) -> None:
+        for owner, name, param in self.swapped:
+            owner._parameters[name] = param
+        self.swapped.clear()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Deep copies and pickles start without views (they are not leaves).
-        return {**self.__dict__, "depth": 0, "cache": {}}
+        # Deep copies start without views and accumulators (not copyable).
+        return {**self.__dict__, "views": {}, "grad_accumulators": []}
 
 
-def _dtensor_view(tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
+def _dtensor_view(tensor: torch.Tensor, param: DTensor) -> DTensor:
+    spec = param._spec
     return DTensor.from_local(
         tensor, spec.mesh, spec.placements, shape=spec.shape, stride=spec.stride
     )
 
 
 # NOTE: ``DTensor.from_local`` per parameter and forward is most of the hooks'
-# cost, so a view is reused until stale: another parameter, ``requires_grad`` or
-# data (``module.to()``), or an in-place change of the view. It is built with
-# grad on, so a first forward under ``no_grad`` does not break training. Under
-# torch.compile it is built in the graph: a cached one would be a graph output.
-def _view(views: _DTensorParamViews, name: str, local: nn.Parameter) -> DTensor:
+# cost, so a view is reused until stale: another leaf or ``requires_grad``, new
+# data, or an in-place change of the view. It is built with grad on, so a first
+# forward under ``no_grad`` does not break training. Under torch.compile it is
+# built in the graph: a cached one would be a graph output.
+def _view(state: _LocalParams, owner: nn.Module, name: str, leaf, param) -> DTensor:
     if torch.compiler.is_compiling():
-        return _dtensor_view(local, views.specs[name])
-    cached = views.cache.get(name)
+        return _dtensor_view(leaf, param)
+    if not leaf.is_set_to(param._local_tensor):
+        # ``to_empty()``, ``load_state_dict(assign=True)`` or ``module.to()``
+        # gave the parameter a new local tensor: DDP's leaf follows it.
+        leaf.data = param._local_tensor
+    cached = state.views.get((owner, name))
     if cached is not None:
-        param, version, view = cached
+        cached_leaf, version, view = cached
         if (
-            param is local
+            cached_leaf is leaf
             and view._version == version
-            and view.requires_grad == local.requires_grad
-            and view._local_tensor.is_set_to(local)
+            and view.requires_grad == leaf.requires_grad
+            and view._local_tensor.is_set_to(leaf)
         ):
             return view
     with torch.inference_mode(False), torch.enable_grad():
-        view = _dtensor_view(local, views.specs[name])
-    views.cache[name] = (local, view._version, view)
+        view = _dtensor_view(leaf, param)
+    state.views[(owner, name)] = (leaf, view._version, view)
     return view
 
 
-def _enter_dtensor_views(module: nn.Module, *_: Any) -> None:
-    views = module.__dict__[_VIEWS_ATTR]
-    views.depth += 1
-    if views.depth == 1:
-        for name in views.specs:
-            module.__dict__[name] = _view(views, name, module._parameters[name])
+def _enter_dtensor_views(state: _LocalParams, module: nn.Module, *_: Any) -> None:
+    if state.swapped:  # DDP was built by ``_pre_dp_module_transform`` alone
+        state.restore()
+    state.sync_queued = False
+    state.depth[module] += 1
+    if state.depth[module] == 1:
+        for name, leaf in state.owners[module].items():
+            param = module._parameters[name]
+            if isinstance(param, DTensor):
+                module.__dict__[name] = _view(state, module, name, leaf, param)
 
 
-def _exit_dtensor_views(module: nn.Module, *_: Any) -> None:
+def _exit_dtensor_views(state: _LocalParams, module: nn.Module, *_: Any) -> None:
     # Always called, also when the forward raised: a view left in place would
     # be used by later forwards unchecked.
-    views = module.__dict__[_VIEWS_ATTR]
-    if views.depth > 0:
-        views.depth -= 1
-        if views.depth == 0:
-            for name in views.specs:
+    if state.depth[module] > 0:
+        state.depth[module] -= 1
+        if state.depth[module] == 0:
+            for name in state.owners[module]:
                 module.__dict__.pop(name, None)
 
 
-def _dtensor_state_dict_hook(module: nn.Module, state_dict, prefix, *_: Any):
-    """Save the local shards as DTensors of global shape, as TP alone does."""
-    for name, spec in module.__dict__[_VIEWS_ATTR].specs.items():
-        value = state_dict.get(prefix + name)
-        if value is not None and not isinstance(value, DTensor):
-            state_dict[prefix + name] = _dtensor_view(value, spec)
+def _sync_param_grads(state: _LocalParams, requeued: bool = False) -> None:
+    """End of backward: each parameter's gradient views its leaf's."""
+    if not requeued:
+        # Queued again, to run after DDP's own end-of-backward callback, which
+        # may give the leaves of locally unused parameters their gradients.
+        Variable._execution_engine.queue_callback(
+            partial(_sync_param_grads, state, requeued=True)
+        )
+        return
+    state.sync_queued = False
+    with torch.no_grad():
+        for leaf, param in state.slots():
+            grad = leaf.grad
+            if grad is not None and not (
+                isinstance(param.grad, DTensor)
+                and param.grad._local_tensor.is_set_to(grad)
+            ):
+                param.grad = _dtensor_view(grad, param)
 
 
-def _dtensor_load_state_dict_pre_hook(
-    module: nn.Module, state_dict, prefix, local_metadata, *_: Any
-):
-    """
-    Load DTensors as local shards; with ``assign=True``, into the registered
-    parameter, which DDP and the optimizer hold, assigned to itself.
-    """
-    for name, spec in module.__dict__[_VIEWS_ATTR].specs.items():
-        param, value = module._parameters[name], state_dict.get(prefix + name)
-        if not isinstance(value, DTensor) or param is None:
-            continue
-        if value.placements != spec.placements:
-            value = value.redistribute(spec.mesh, spec.placements)
-        value = value.to_local()
-        if local_metadata.get("assign_to_params_buffers", False):
-            with torch.no_grad():
-                param.copy_(value)
-            value = param
-        state_dict[prefix + name] = value
-
-
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    """
-    Global step pre-hook: an optimizer built before ``DDP(...)`` holds replaced
-    DTensor parameters, which never get a gradient: they would silently not train.
-    """
-    for group in optimizer.param_groups:
-        if any(hasattr(p, _REPLACED_ATTR) for p in group["params"]):
-            raise RuntimeError(
-                "The optimizer holds TP parameters that DDP/replicate(device_mesh=...) "
-                "replaced by local ones.\nBuild the optimizer after `DDP(...)`, from "
-                "`model.parameters()`."
-            )
-
-
-def _raise_replaced_param_grad(param: torch.Tensor) -> None:
-    """
-    A loss computed from a replaced DTensor parameter (e.g. a penalty over
-    parameters taken before ``DDP(...)``) would give its gradient to nothing.
-    """
-    param.grad = None  # nothing piles up if the caller catches the error
-    raise RuntimeError(
-        "A gradient reached a TP parameter that DDP/replicate(device_mesh=...) "
-        "replaced by a local one.\nCompute the loss from the parameters the model "
-        "holds after `DDP(...)`."
-    )
+def _start_leaf_grad(state: _LocalParams, leaf: nn.Parameter) -> None:
+    """Before the leaf accumulates: its gradient starts from the parameter's."""
+    owner, name = state.homes[leaf]
+    param = owner._parameters[name]
+    if param.grad is None:
+        leaf.grad = None
+    elif leaf.grad is None or not param.grad._local_tensor.is_set_to(leaf.grad):
+        leaf.grad = param.grad._local_tensor
+    if not state.sync_queued:
+        state.sync_queued = True
+        Variable._execution_engine.queue_callback(partial(_sync_param_grads, state))
 
 
 def _localize_dtensor(
-    module: nn.Module, *_: Any, ignored_params: set[nn.Parameter] | None = None
-):
+    module: nn.Module,
+    *_: Any,
+    ignored_params: set[nn.Parameter] | None = None,
+    in_forward: bool = False,
+) -> _LocalParams:
     """
-    Convert DTensor parameters to local tensors, once, when DDP or ``replicate``
-    wraps ``module``: in every owner, by one local ``nn.Parameter`` (shared by
-    tied owners) with the DTensor's ``requires_grad`` and spec (``_st_info``).
-    Owners show them as DTensors in forward and ``state_dict()``.
+    Give each DTensor parameter of ``module`` a leaf ``nn.Parameter`` sharing the
+    storage of its local tensor (one per parameter, shared by tied owners), and
+    register the hooks that let DDP train the parameter through it (see the
+    NOTE above). The leaves, by parameter, are for DDP to reduce.
+    ``in_forward``: called in the forward pre-hook of ``module``, whose own
+    views then start at once.
     """
-    global _optimizer_check_handle
     if ignored_params is None:
         ignored_params = set()
-    localized: dict[int, nn.Parameter] = {}
-    owners: dict[nn.Module, dict[str, DTensorSpec]] = {}
+    state = _LocalParams()
+    leaves = state.leaves
     for name, param in module.named_parameters(remove_duplicate=False):
         if param in ignored_params:
             continue
         t, sharding_info = _flatten_tensor(param)
         if sharding_info is not None:
-            t = nn.Parameter(t, requires_grad=param.requires_grad)
-            t._st_info = sharding_info  # type: ignore[attr-defined]
-            setattr(param, _REPLACED_ATTR, True)
-            if id(param) not in localized and param.requires_grad:
-                param.register_post_accumulate_grad_hook(_raise_replaced_param_grad)
+            if param not in leaves:
+                t = nn.Parameter(t, requires_grad=param.requires_grad)
+                leaves[param] = t
             owner, attr = _get_submodule_n_params(module, name)
-            owner._parameters[attr] = localized.setdefault(id(param), t)
-            owners.setdefault(owner, {})[attr] = sharding_info
-    for t in localized.values():
-        if t.requires_grad:  # once, not per forward
-            t.register_hook(sync_grad_hook)
-    for owner, specs in owners.items():
-        owner.__dict__[_VIEWS_ATTR] = _DTensorParamViews(specs)
-        owner.register_forward_pre_hook(_enter_dtensor_views)
-        owner.register_forward_hook(_exit_dtensor_views, always_call=True)
-        owner.register_state_dict_post_hook(_dtensor_state_dict_hook)
-        owner.register_load_state_dict_pre_hook(_dtensor_load_state_dict_pre_hook)
-    if localized and _optimizer_check_handle is None:
-        _optimizer_check_handle = register_optimizer_step_pre_hook(
-            _check_optimizer_params
+            state.owners.setdefault(owner, {})[attr] = leaves[param]
+            state.homes.setdefault(leaves[param], (owner, attr))
+    for leaf in leaves.values():
+        if leaf.requires_grad:
+            leaf.register_hook(sync_grad_hook)
+            # DDP's reducer holds the same accumulator, with its own hook.
+            acc = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+            acc.register_prehook(lambda _, leaf=leaf: _start_leaf_grad(state, leaf))
+            state.grad_accumulators.append(acc)
+    for owner in state.owners:
+        state.depth[owner] = 0
+        owner.register_forward_pre_hook(partial(_enter_dtensor_views, state))
+        owner.register_forward_hook(
+            partial(_exit_dtensor_views, state), always_call=True
         )
+    if in_forward and module in state.owners:
+        _enter_dtensor_views(state, module)
+    return state
 
 
-def _pre_dp_module_transform(module: nn.Module):
+def _pre_dp_module_transform(module: nn.Module) -> Callable[[], None]:
     """
     Enable the composability between Tensor Parallelism (TP) and Data
-    Parallelism(DP) in PyTorch when using DDP. We need to convert Parameters which
-    are DTensors to local tensors before wrapping with data parallelism API.
-    We then register two hooks, one for converting local tensors back to DTensor
-    preforward and one to convert DTensors back to tensors after Forward. By
-    integrating this way, we avoid any special handling of DTensor parameters by DDP
-    and get DTensor's gradients propagated back to DP, e.g. gradient buckets of DDP.
-
-    Build the optimizer after wrapping, from ``model.parameters()``: one built
-    before holds the replaced DTensors and raises at its first ``step()``.
+    Parallelism(DP) in PyTorch when using DDP. The module keeps its DTensor
+    parameters; DDP reduces the gradients of their local tensors, through leaf
+    parameters sharing their storage. Until the returned function is called
+    (or the first forward), the leaves replace the DTensor parameters in
+    ``module``, for DDP to build its reducer from them. During the forward of each module owning DTensor
+    parameters, they are DTensor views of the leaves, so gradients reach the
+    leaves; after backward, each DTensor parameter's ``.grad`` is a DTensor
+    view of its leaf's reduced gradient.
 
     For now, this API only works with ``DistributedDataParallel``. It will later support
     other DP methods such as FSDP.
@@ -235,4 +243,10 @@ def _pre_dp_module_transform(module: nn.Module):
         >>>
     """
 
-    _localize_dtensor(module, None, None)
+    state = _localize_dtensor(module, None, None)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param in state.leaves:
+            owner, attr = _get_submodule_n_params(module, name)
+            owner._parameters[attr] = state.leaves[param]
+            state.swapped.append((owner, attr, param))
+    return state.restore
