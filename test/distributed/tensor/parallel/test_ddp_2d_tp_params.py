@@ -63,10 +63,13 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(MLP() for _ in range(2))
         self.head = nn.Linear(DIM, DIM)
         self.use_checkpoint = use_checkpoint
+        self.skipped: set[int] = set()  # blocks left unused
 
     def forward(self, x):
         x = self.embed(x)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if i in self.skipped:
+                continue
             if self.use_checkpoint:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
@@ -242,11 +245,20 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
             with first_forward():
                 ddp(self.inputs(mesh, 0))
         ref_ddp = self.ref_ddp(mesh, reference, **options)
-        for step in range(3):
+        for step in range(4):
+            if wrap == "find_unused_parameters":
+                # Unused on one DP rank only, or on every rank.
+                unused = {1} if step == 3 or mesh["dp"].get_local_rank() else set()
+                model.skipped = reference.skipped = unused if step % 2 else set()
             x = self.inputs(mesh, step)
+            # Cleared before the forward, or between it and backward (not
+            # supported with parameters unused on some ranks only).
+            before = step == 3 or wrap == "find_unused_parameters"
+            for optim in optims if before else []:
+                optim.zero_grad()
             loss, ref_loss = ddp(x).pow(2).sum(), ref_ddp(x).pow(2).sum()
             self.assertEqual(loss, ref_loss, msg=f"step {step}")
-            for optim in optims:  # cleared between forward and backward
+            for optim in [] if before else optims:
                 optim.zero_grad()
             loss.backward()
             ref_loss.backward()

@@ -53,6 +53,8 @@ class _LocalParams:
         default_factory=dict
     )
     grad_accumulators: list[Any] = field(default_factory=list)
+    synced: dict[nn.Parameter, torch.Tensor | None] = field(default_factory=dict)
+    """The local tensor of each parameter's gradient as the last backward left it."""
     sync_queued: bool = False
 
     def slots(self):
@@ -70,7 +72,7 @@ class _LocalParams:
 
     def __getstate__(self) -> dict[str, Any]:
         # Deep copies start without views and accumulators (not copyable).
-        return {**self.__dict__, "views": {}, "grad_accumulators": []}
+        return {**self.__dict__, "views": {}, "grad_accumulators": [], "synced": {}}
 
 
 def _dtensor_view(tensor: torch.Tensor, param: DTensor) -> DTensor:
@@ -78,6 +80,13 @@ def _dtensor_view(tensor: torch.Tensor, param: DTensor) -> DTensor:
     return DTensor.from_local(
         tensor, spec.mesh, spec.placements, shape=spec.shape, stride=spec.stride
     )
+
+
+def _follow(leaf: nn.Parameter, param: DTensor) -> None:
+    if not leaf.is_set_to(param._local_tensor):
+        # ``to_empty()``, ``load_state_dict(assign=True)`` or ``module.to()``
+        # gave the parameter a new local tensor: DDP's leaf follows it.
+        leaf.data = param._local_tensor
 
 
 # NOTE: ``DTensor.from_local`` per parameter and forward is most of the hooks'
@@ -88,10 +97,7 @@ def _dtensor_view(tensor: torch.Tensor, param: DTensor) -> DTensor:
 def _view(state: _LocalParams, owner: nn.Module, name: str, leaf, param) -> DTensor:
     if torch.compiler.is_compiling():
         return _dtensor_view(leaf, param)
-    if not leaf.is_set_to(param._local_tensor):
-        # ``to_empty()``, ``load_state_dict(assign=True)`` or ``module.to()``
-        # gave the parameter a new local tensor: DDP's leaf follows it.
-        leaf.data = param._local_tensor
+    _follow(leaf, param)
     cached = state.views.get((owner, name))
     if cached is not None:
         cached_leaf, version, view = cached
@@ -148,16 +154,34 @@ def _sync_param_grads(state: _LocalParams, requeued: bool = False) -> None:
                 and param.grad._local_tensor.is_set_to(grad)
             ):
                 param.grad = _dtensor_view(grad, param)
+            if param.grad is not None:
+                state.synced[leaf] = param.grad._local_tensor
 
 
-def _start_leaf_grad(state: _LocalParams, leaf: nn.Parameter) -> None:
-    """Before the leaf accumulates: its gradient starts from the parameter's."""
+def _start_leaf_grad(state: _LocalParams, leaf: nn.Parameter, param: DTensor) -> None:
+    """
+    The leaf's gradient starts from the parameter's, if that changed since the
+    last backward (``zero_grad()``, or a gradient set by hand).
+    """
+    local = None if param.grad is None else param.grad._local_tensor
+    if local is not state.synced.get(leaf):
+        _follow(leaf, param)
+        leaf.grad = local
+        state.synced[leaf] = local
+
+
+def _start_leaf_grads(state: _LocalParams, *_: Any) -> None:
+    # Also the leaves this backward will not reach, whose gradients DDP reads
+    # (``find_unused_parameters``), before any hook of ours would run.
+    if not torch.compiler.is_compiling():
+        for leaf, param in state.slots():
+            if leaf.requires_grad:
+                _start_leaf_grad(state, leaf, param)
+
+
+def _before_accumulate(state: _LocalParams, leaf: nn.Parameter) -> None:
     owner, name = state.homes[leaf]
-    param = owner._parameters[name]
-    if param.grad is None:
-        leaf.grad = None
-    elif leaf.grad is None or not param.grad._local_tensor.is_set_to(leaf.grad):
-        leaf.grad = param.grad._local_tensor
+    _start_leaf_grad(state, leaf, owner._parameters[name])
     if not state.sync_queued:
         state.sync_queued = True
         Variable._execution_engine.queue_callback(partial(_sync_param_grads, state))
@@ -197,8 +221,10 @@ def _localize_dtensor(
             leaf.register_hook(sync_grad_hook)
             # DDP's reducer holds the same accumulator, with its own hook.
             acc = leaf.view_as(leaf).grad_fn.next_functions[0][0]
-            acc.register_prehook(lambda _, leaf=leaf: _start_leaf_grad(state, leaf))
+            acc.register_prehook(lambda _, leaf=leaf: _before_accumulate(state, leaf))
             state.grad_accumulators.append(acc)
+    if leaves:
+        module.register_forward_pre_hook(partial(_start_leaf_grads, state))
     for owner in state.owners:
         state.depth[owner] = 0
         owner.register_forward_pre_hook(partial(_enter_dtensor_views, state))
