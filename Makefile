@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 .PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
-	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack
+	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack example
 
 install: $(VENV)/.installed
 
@@ -44,13 +44,20 @@ test-overlay: install sources
 	$(PYTEST) test
 
 lint: install
-	$(PY) -m ruff check torch_overlay tools test
-	$(PY) -m ruff format --check torch_overlay tools test
+	$(PY) -m ruff check torch_overlay tools test examples
+	$(PY) -m ruff format --check torch_overlay tools test examples
 	# The overlay modules are upstream files: PyTorch's formatting (ruff format, 88 columns)
 	$(PY) -m ruff format --check --isolated --line-length 88 torch_overlay/torch
 	# The tests under test/distributed travel upstream in the patches: PyTorch's formatting too, and 88 columns
 	$(PY) -m ruff format --check --isolated --line-length 88 test/distributed
 	$(PY) -m ruff check --isolated --line-length 88 --select E,F,W test/distributed
+
+# examples/tp_ddp_train.py as a user runs it, on 4 CPU ranks, with the overlay for this command only: the test suite's
+# boot directory on PYTHONPATH runs the persistent install's start-up hook in every torchrun rank, and nothing in the
+# venv changes (TORCH_OVERLAY=0 make example: stock torch). --standalone takes a free port.
+example: install
+	PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
+		$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/tp_ddp_train.py
 
 apply-overlay: install
 	$(PY) -m torch_overlay.activate
