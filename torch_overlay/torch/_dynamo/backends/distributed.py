@@ -28,6 +28,8 @@ from torch import fx
 from torch._dynamo.backends.registry import CompiledFn, CompilerFn
 from torch._dynamo.output_graph import GraphCompileReason
 from torch._dynamo.utils import deepcopy_to_fake_tensor, detect_fake_mode
+from torch._library.fake_class_registry import FakeScriptObject
+from torch._library.opaque_object import get_opaque_obj_info
 from torch._logging import trace_structured
 from torch.fx.node import Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -96,9 +98,6 @@ def _is_split_boundary_value(value: Any) -> bool:
     the next ("expected all tensors_saved_with_vc_check to be Tensors", "got mixed
     torch.Tensor and DTensor").
     """
-    from torch._library.fake_class_registry import FakeScriptObject
-    from torch._library.opaque_object import get_opaque_obj_info
-
     return not any(
         is_traceable_wrapper_subclass(v)
         or isinstance(v, (torch.ScriptObject, FakeScriptObject))
@@ -107,7 +106,7 @@ def _is_split_boundary_value(value: Any) -> bool:
     )
 
 
-def add_node(bucket: Bucket, node: fx.Node) -> None:
+def _add_node(bucket: Bucket, node: fx.Node) -> None:
     """
     Add ``node`` (the graph is walked in reverse) to ``bucket``, keeping track of
     the inputs computed before the bucket that cannot cross a split boundary.
@@ -558,6 +557,8 @@ class DDPOptimizer:
         # 1: compute the partition map according to DDP bucket logic
         buckets = [Bucket()]  # (size, param_names)
         processed_modules: set[torch.nn.Module] = set()
+        # a value that kept a full bucket from being split off, for the log
+        not_split_at: fx.Node | None = None
         for node in reversed(gm.graph.nodes):
             if node.op in ("output", "placeholder"):
                 continue
@@ -567,13 +568,15 @@ class DDPOptimizer:
                 or len(buckets) == 1
                 and buckets[0].size >= self.first_bucket_cap
             ):
-                # Tensor parallel models run on DTensors between the hooks of
-                # their parallel modules: no split where one crosses. Such a
-                # bucket just grows, as expected for these models: no warning.
-                has_external_output = bucket_has_external_output(buckets[0])
-                if has_external_output and not buckets[0].non_splittable_inputs:
-                    buckets.insert(0, Bucket())
-                elif not has_external_output:
+                if bucket_has_external_output(buckets[0]):
+                    # Tensor parallel models run on DTensors between the hooks
+                    # of their parallel modules: no split where one crosses.
+                    # Such a bucket just grows, as expected for these models.
+                    if buckets[0].non_splittable_inputs:
+                        not_split_at = next(iter(buckets[0].non_splittable_inputs))
+                    else:
+                        buckets.insert(0, Bucket())
+                else:
                     # continue building this bucket past the point of filling its parameter capacity,
                     # to increase chances it contains at least one node that is either a global output or
                     # passed as input to a subsequent graph
@@ -618,7 +621,7 @@ class DDPOptimizer:
 
             # All nodes have to be mapped to a bucket, even if they don't have their own params
             # Ignored params still end up in buckets, we just don't count them towards the capacity
-            add_node(buckets[0], node)
+            _add_node(buckets[0], node)
 
         if len(buckets) > 1 and buckets[0].size == 0:
             # we collected a small preamble graph with ops that don't include parameters, fuse it back
@@ -626,6 +629,15 @@ class DDPOptimizer:
             if len(buckets[0].params) != 0:
                 raise AssertionError("Params should be empty if size is 0")
             del buckets[0]
+
+        if len(buckets) == 1 and not_split_at is not None:
+            log.info(
+                "DDPOptimizer did not split this graph, so DDP's gradient "
+                "all-reduce will not overlap its backward: a tensor subclass "
+                "(e.g. DTensor) or an opaque object (e.g. DeviceMesh) crosses "
+                "every point where it would split it, such as %s.",
+                not_split_at.name,
+            )
 
         # stash buckets for testing/debugging purposes
         self.buckets = buckets
