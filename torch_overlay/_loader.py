@@ -120,6 +120,7 @@ def deactivate() -> None:
             return
         manifest = load_manifest()
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
+        removed: list[tuple[str, types.ModuleType]] = []
         try:
             # NOTE: forward (dependency) order, so that a stock module executed afresh here imports the
             # stock versions of the manifest modules before it, never the overlay ones.
@@ -127,10 +128,18 @@ def deactivate() -> None:
                 current = sys.modules.get(overlay.name)
                 if current is None or not is_overlay_module(current, overlay):
                     continue
+                if overlay.new:  # no stock module: stock torch has none
+                    _remove(overlay.name, current)
+                    removed.append((overlay.name, current))
+                    continue
                 original = _originals.get(overlay.name) or _execute(overlay.name, _stock_spec(overlay.name))
                 _swap(overlay.name, current, original, manifest)
                 done.append((overlay.name, current, original))
         except BaseException:
+            for name, current in removed:
+                sys.modules[name] = current
+                parent_name, _, child = name.rpartition(".")
+                setattr(sys.modules[parent_name], child, current)
             for name, current, original in reversed(done):
                 _swap(name, original, current, manifest)
             raise
@@ -170,6 +179,15 @@ def _execute(name: str, spec: ModuleSpec | None) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _remove(name: str, module: types.ModuleType) -> None:
+    """Take a new module (one stock torch does not have) out of ``sys.modules`` and its parent package."""
+    del sys.modules[name]
+    parent_name, _, child = name.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if parent is not None and getattr(parent, child, None) is module:
+        delattr(parent, child)
 
 
 def _swap(name: str, old: types.ModuleType, new: types.ModuleType, manifest: Manifest) -> None:
