@@ -49,8 +49,8 @@ def _no_grad(func: Callable[_P, _R]) -> Callable[_P, _R]:
 def _spans_meshes(tensors: list[Tensor]) -> bool:
     # DTensor ops take DTensors on one mesh, not on several or mixed with plain tensors
     DTensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    types = set(map(type, tensors))  # cheaper than isinstance per tensor
-    if DTensor is None or not any(issubclass(t, DTensor) for t in types):
+    classes = set(map(type, tensors))  # cheaper than isinstance per tensor
+    if DTensor is None or not any(issubclass(c, DTensor) for c in classes):
         return False
     return len({t.device_mesh if isinstance(t, DTensor) else None for t in tensors}) > 1
 
