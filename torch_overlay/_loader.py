@@ -9,10 +9,11 @@ install, the test suite's boot directory):
   global that another module bound with ``from X import f`` is rebound to the overlay's ``f``.
 
 Deactivation is the same swap run backwards: the finder is removed, each overlay module is swapped for the
-original module object (or, if the module was first imported while active, a fresh stock one) and every
-binding is pointed back. Original module objects are never mutated, so their functions keep their
-identity. References held outside module globals (a hook already registered on a model, a closure) keep
-whatever they captured; that is why activation belongs before models are built.
+original module object (or, if the module was first imported while active, a fresh stock one; a new module,
+which stock torch does not have, is removed) and every binding is pointed back. Original module objects are
+never mutated, so their functions keep their identity. References held outside module globals (a hook already
+registered on a model, a closure) keep whatever they captured; that is why activation belongs before models
+are built.
 """
 
 from __future__ import annotations
