@@ -9,7 +9,10 @@ two linear layers (48 TP parameters: weights and biases, ColwiseParallel / Rowwi
 (b) overlay, the same with ``embed``/``head`` left plain (``fully_shard`` on the blocks only);
 (c) stock, FSDP2 without TP on one 1-D mesh of the 4 ranks (what stock torch can clip): the baseline;
 (d) a hand-written clip over (a)'s model that gathers each DTensor gradient with ``full_tensor()`` to take its norm
-    (the first version of transformers' DTensor clip), then scales the local shards.
+    (the first version of transformers' DTensor clip), then scales the local shards;
+(e) the plain path: a model of 200 plain parameters (``--plain-layers`` linear layers of ``dim``) in one process,
+    overlay against stock, alternating call by call, paired per repeat (``torch.distributed.tensor`` imported, so
+    the overlay's check for DTensors runs in full).
 
 Per configuration: the time of one ``clip_grad_norm_`` (median over repeats of the slowest rank; configurations in
 rotated order), its ratio to (c), the collectives of one call (``CommDebugMode``), the bytes they gather, the
@@ -183,6 +186,51 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
     dist.destroy_process_group()
 
 
+def plain_ratios(args: argparse.Namespace) -> tuple[float, float, list[float], float]:
+    """(e): (overlay ms, stock ms, overlay/stock per repeat, ms of the overlay's two checks for DTensors) per call
+    for a plain model, in this process.
+
+    NOTE: stock's and the overlay's ``clip_grad_norm_`` are both at hand (activation never changes the stock
+    module object), so the two alternate call by call: a load that changes within a repeat hits both alike.
+    """
+    import torch.distributed.tensor  # noqa: F401  # loaded in any distributed script: the overlay's check runs
+    import torch.nn.utils.clip_grad
+
+    import torch_overlay
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(args.dim, args.dim) for _ in range(args.plain_layers)))
+    model(torch.randn(8, args.dim)).sum().backward()
+    params = list(model.parameters())
+    stock = torch.nn.utils.clip_grad
+    torch_overlay.activate()
+    overlay = sys.modules["torch.nn.utils.clip_grad"]
+    assert overlay is not stock, "the overlay's clip_grad.py is not active"
+    clips = {True: overlay.clip_grad_norm_, False: stock.clip_grad_norm_}
+    for clip in clips.values():
+        clip(params, MAX_NORM)  # warm-up
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.plain_repeats):
+        total = {True: 0.0, False: 0.0}
+        for i in range(args.iters):
+            for active in (True, False) if i % 2 == 0 else (False, True):
+                start = time.perf_counter()
+                clips[active](params, MAX_NORM)
+                total[active] += time.perf_counter() - start
+        for active, seconds in total.items():
+            times[active].append(seconds / args.iters)
+    grads = [p.grad for p in params]
+    start = time.perf_counter()
+    for _ in range(1000):
+        overlay._spans_meshes(grads)  # the norm's check
+        overlay._spans_meshes([*grads, grads[0]])  # the clip's (gradients and the norm)
+    check_ms = time.perf_counter() - start
+    torch_overlay.deactivate()
+    ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]
+    return statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3, ratios, check_ms
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=12, help="TP blocks (4 TP parameters each)")
@@ -190,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--plain-layers", type=int, default=100, help="(e): linear layers (2 parameters each)")
+    parser.add_argument("--plain-repeats", type=int, default=101, help="(e): paired repeats")
     args = parser.parse_args(argv)
     print(
         f"{WORLD_SIZE} ranks, CPU/gloo, 1 thread per rank, torch {torch.__version__}, {os.cpu_count()} CPUs; "
@@ -219,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{worst['collectives']:>13}{worst['gathered_bytes']:>16,}{worst['largest_gather']:>12,}"
             f"{peak / 2**20:>8.1f} MiB  {ops}"
         )
+    overlay_ms, stock_ms, ratios, check_ms = plain_ratios(args)
+    print(
+        f"\n(e) plain model, {2 * args.plain_layers} parameters (dim {args.dim}), one process, median of "
+        f"{args.plain_repeats} x {args.iters} calls: overlay {overlay_ms:.3f} ms, stock {stock_ms:.3f} ms per call; "
+        f"overlay/stock paired per repeat: median {statistics.median(ratios):.3f} (range {min(ratios):.3f} .. "
+        f"{max(ratios):.3f}; target <= 1.02); the overlay's checks for DTensors: {check_ms * 1e3:.1f} us per call "
+        f"({check_ms / stock_ms:.2%} of stock's call)"
+    )
     return 0
 
 

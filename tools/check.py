@@ -7,8 +7,9 @@ pristine files, or gives anything but the overlay: the payload itself where the 
 base file, else our change transplanted onto the base's file (a clean 3-way merge), without the backports
 the base does not need; and where a patch gives its version of a file as a snapshot, when its prefix of the
 series does not give exactly that snapshot (a snapshot is refused for a file that differs between bases).
-It also fails when a module's ``code_sha256`` (the manifest's claim that every base's
-file has the same code, comments aside) is not the code digest of each base's pristine file.
+A new module (no release ships it) must be created by the patch that claims it, as the overlay has it.
+It also fails when a module's ``code_sha256`` (the manifest's claim that every base's file has the same code,
+comments aside) is not the code digest of each base's pristine file.
 
     python -m tools.check [--wheel TORCH_WHEEL_OR_DIR ...]
 """
@@ -61,8 +62,9 @@ def requirement_problems(project: Project) -> list[str]:
     return [f"pyproject.toml: the torch dependency is {found!r}; the bases in manifest.json need {expected!r}"]
 
 
-def expected_files(project: Project, found: Pristine, base: Base, needed: list[Patch]) -> dict[str, bytes]:
-    """What the series of ``base`` must turn its pristine files into; raises PatchError if not well defined."""
+def expected_files(project: Project, found: Pristine, base: Base, needed: list[Patch]) -> dict[str, bytes | None]:
+    """What the series of ``base`` must turn its pristine files into (None: a new module it must not create yet);
+    raises PatchError if not well defined."""
     manifest = project.manifest()
     payload_base = found.files(manifest.payload_base)
     patches = load_series(project.series_toml)
@@ -70,7 +72,7 @@ def expected_files(project: Project, found: Pristine, base: Base, needed: list[P
     states = file_states(patches, payload_base, project.overlay_files(), snapshots)
     state = states[len(needed) - 1] if needed else payload_base
     files = found.files(base)
-    expected = {}
+    expected: dict[str, bytes | None] = {m.path: state.get(m.path) for m in manifest.new_modules}
     for path, content in files.items():
         if content == payload_base[path]:
             expected[path] = state[path]

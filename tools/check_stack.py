@@ -229,8 +229,9 @@ def check_prefix(
     manifest = project.manifest()
     entry, tree = prefix.entry, prefix.files
     assert tree is not None, "only a prefix that applied is checked"
-    serve(scratch, {m.path: tree[m.path] for m in manifest.runtime_modules})
-    touched = [m for m in manifest.modules if tree[m.path] != pristine_files[m.path]]
+    # NOTE: a new module (no release ships it) is served from the prefix that adds it on.
+    serve(scratch, {m.path: tree[m.path] for m in manifest.runtime_modules if m.path in tree})
+    touched = [m for m in manifest.modules if tree.get(m.path) != pristine_files.get(m.path)]
     modules = tuple(m.name for m in touched if m.runtime)
     env = scratch_env(scratch)
     imported = None

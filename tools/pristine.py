@@ -88,7 +88,7 @@ class Pristine:
             if source in self._read:
                 continue
             self._read.add(source)
-            paths = [m.path for m in self.manifest.modules]
+            paths = [m.path for m in self.manifest.modules if not m.new]
             try:
                 files = read_paths(source, paths)
             except BaseSourceError:
@@ -104,10 +104,11 @@ class Pristine:
 
     def missing(self, base: Base) -> list[str]:
         """The paths of ``base`` that no source holds."""
-        return [p for p, h in base.sha256.items() if self._find(h) is None]
+        return [p for p, h in base.upstream.items() if self._find(h) is None]
 
     def files(self, base: Base) -> dict[str, bytes]:
-        """The verified pristine files of ``base``, by manifest path; raises naming the missing ones."""
+        """The verified pristine files of ``base``, by manifest path (not the new modules': no release ships
+        them); raises naming the missing ones."""
         missing = self.missing(base)
         if missing:
             where = "\n".join(f"    {s}" for s in self.sources) or "    (none)"
@@ -117,7 +118,7 @@ class Pristine:
                 f"Run `make sources` (downloads the missing bases' wheels), or `make install TORCH={base.version}`, "
                 f"or pass the torch {base.version} wheel with --wheel (make: WHEEL=)."
             )
-        return {p: self._by_hash[h] for p, h in base.sha256.items()}
+        return {p: self._by_hash[h] for p, h in base.upstream.items()}
 
 
 def pristine(project: Project, extra_sources: list[Path] = ()) -> Pristine:

@@ -3,6 +3,8 @@
 For each manifest file, ``git merge-file`` merges ours (the overlay) with theirs (the release's file) over the
 payload base's pristine file, and each file is reported clean or conflicted. Then:
 
+- the release ships a file that the overlay adds as a new module (a private helper no base has): it is
+  refused, naming the file, and nothing changes (the overlay would shadow upstream's module with its own);
 - a conflict: the merges, conflict markers included, are written to ``build/rebase-<version>/`` and nothing
   in the project changes;
 - a runtime file (one the overlay serves at run time) whose code the release changed upstream: the one payload
@@ -59,6 +61,15 @@ def merge(base: dict[str, bytes], ours: dict[str, bytes], theirs: dict[str, byte
     return results
 
 
+def _ships(source: Path, path: str) -> bool:
+    """Whether a wheel or a site-packages-like directory holds ``path``."""
+    try:
+        read_paths(source, [path])
+    except BaseSourceError:
+        return False
+    return True
+
+
 def upstream_version(source: Path) -> str | None:
     """The public version in ``torch/version.py`` of a wheel or a site-packages-like directory, or None."""
     if source.is_dir():
@@ -90,7 +101,7 @@ def write_for_review(project: Project, version: str, results: list[MergeResult])
 def comment_only_changes(manifest: Manifest, base: dict[str, bytes], theirs: dict[str, bytes]) -> dict[str, str]:
     """The runtime files the release changed upstream in comments only: path -> the code digest they share."""
     changed = {}
-    for m in manifest.runtime_modules:
+    for m in [m for m in manifest.runtime_modules if not m.new]:
         if theirs[m.path] != base[m.path]:
             digest = _code_digest(theirs[m.path])
             if digest is not None and digest == _code_digest(base[m.path]):
@@ -114,7 +125,8 @@ def new_manifest_text(
     Each module in ``code_digests`` (path -> digest) gets its ``code_sha256`` as its last field, or keeps its own.
     """
     raw = json.loads(project.manifest_path.read_text(encoding="utf-8"))
-    raw["bases"].append({"version": version, "sha256": {p: sha256_hex(c) for p, c in theirs.items()}})
+    sha256 = {m.path: sha256_hex(theirs[m.path]) if m.path in theirs else None for m in project.manifest().modules}
+    raw["bases"].append({"version": version, "sha256": sha256})
     raw["bases"].sort(key=lambda b: version_key(b["version"]))
     code_digests = code_digests or {}
     for module in raw["modules"]:
@@ -145,10 +157,10 @@ def add_base(
     Returns the sync check's problems (empty: added).
     """
     manifest = project.manifest()
-    theirs = read_paths(upstream, [m.path for m in manifest.modules])
+    theirs = read_paths(upstream, [m.path for m in manifest.modules if not m.new])
     becomes_newest = version_key(version) > version_key(manifest.payload_base.version)
     touched = [project.manifest_path, project.pyproject, *generated_files(project.patches_dir)]
-    touched += [project.overlay_file(m.path) for m in manifest.modules]
+    touched += [project.overlay_file(m.path) for m in manifest.modules if not m.new]
     saved = {path: path.read_bytes() for path in touched if path.is_file()}
     try:
         write_atomically(project.manifest_path, new_manifest_text(project, version, theirs, code_digests))
@@ -185,10 +197,17 @@ def rebase(project: Project, upstream: Path, version: str | None = None, sources
     version = version or upstream_version(upstream)
     if version is None:
         raise RebaseError(f"{upstream} has no torch/version.py; pass --version")
-    theirs = read_paths(upstream, [m.path for m in manifest.modules])
+    shipped = [m.path for m in manifest.new_modules if _ships(upstream, m.path)]
+    if shipped:
+        raise RebaseError(
+            f"torch {version} ships {', '.join(shipped)}, which the overlay adds as a new module (no base has it): "
+            "serving ours would shadow upstream's. Port our change onto upstream's module (make it a replaced "
+            "module in manifest.json and series.toml) or drop ours; nothing changed"
+        )
+    theirs = read_paths(upstream, [m.path for m in manifest.modules if not m.new])
     listed = manifest.base(version)
     if listed is not None:
-        if all(sha256_hex(theirs[p]) == h for p, h in listed.sha256.items()):
+        if all(sha256_hex(theirs[p]) == h for p, h in listed.upstream.items()):
             print(f"rebase: torch {version} is already a base, with these files; nothing changed")
             return 0
         raise RebaseError(
@@ -205,7 +224,7 @@ def rebase(project: Project, upstream: Path, version: str | None = None, sources
         print(f"rebase: conflicts; nothing changed. The merges, with conflict markers, are in {out}", file=sys.stderr)
         return 1
     comments_only = comment_only_changes(manifest, base, theirs)
-    changed = [m.path for m in manifest.runtime_modules if theirs[m.path] != base[m.path]]
+    changed = [m.path for m in manifest.runtime_modules if not m.new and theirs[m.path] != base[m.path]]
     changed = [path for path in changed if path not in comments_only]
     if changed:
         out = write_for_review(project, version, results)

@@ -205,17 +205,20 @@ def changed_blocks(path: str, base: bytes, overlay: bytes) -> list[Block]:
 
 
 def assign_blocks(patches: list[Patch], base: dict[str, bytes], overlay: dict[str, bytes]) -> dict[Block, int]:
-    """Which patch (index into ``patches``) owns each changed block; raises naming every problem."""
+    """Which patch (index into ``patches``) owns each changed block; raises naming every problem.
+
+    ``base`` lacks the new modules (no release ships them): each of their files is one block, added whole.
+    """
     owner: dict[Block, int] = {}
     problems = []
     used: set[tuple[int, int]] = set()
-    known = set(base)
+    known = set(overlay)
     for patch in patches:
         for claim in patch.claims:
             if claim.file not in known:
                 problems.append(f"patch {patch.name!r} claims {claim.file}, which is not in the manifest")
-    for path in base:
-        for block in changed_blocks(path, base[path], overlay[path]):
+    for path in overlay:
+        for block in changed_blocks(path, base.get(path, b""), overlay[path]):
             hits = [
                 (k, c)
                 for k, patch in enumerate(patches)
@@ -249,24 +252,30 @@ def file_states(
     snapshots: dict[tuple[str, str], bytes] | None = None,
 ) -> list[dict[str, bytes]]:
     """Each manifest file after patches 1..k, for k = 1..n (the last equals the overlay): the patch's snapshot
-    of the file (from :func:`load_snapshots`) where it has one, else the base plus the blocks of 1..k."""
+    of the file (from :func:`load_snapshots`) where it has one, else the base plus the blocks of 1..k. A new
+    module (in ``overlay``, not in ``base``) is in a state from the patch that adds it on."""
     owner = assign_blocks(patches, base, overlay)
     snapshots = snapshots or {}
     unknown = [f"{p.name}: {path}" for p in patches for path in p.snapshots if path not in base]
     missing = [f"{p.name}: {path}" for p in patches for path in p.snapshots if (p.name, path) not in snapshots]
     if unknown or missing:
         raise SeriesError(
-            "series.toml: snapshots of files not in the manifest or not loaded: " + "; ".join(unknown + missing)
+            "series.toml: snapshots of files not in the manifest, of new modules (one patch adds each whole) or "
+            "not loaded: " + "; ".join(unknown + missing)
         )
     states = []
     for k, patch in enumerate(patches):
         state = {}
-        for path, content in base.items():
+        for path in overlay:
             if path in patch.snapshots:
                 state[path] = snapshots[patch.name, path]
                 continue
-            lines = content.decode("utf-8").splitlines(keepends=True)
-            for block in reversed(changed_blocks(path, content, overlay[path])):
+            content = base.get(path)
+            lines = (content or b"").decode("utf-8").splitlines(keepends=True)
+            blocks = changed_blocks(path, content or b"", overlay[path])
+            if content is None and not any(owner[b] <= k for b in blocks):
+                continue  # a new module that no patch up to k adds
+            for block in reversed(blocks):
                 if owner[block] <= k:
                     lines[block.base_start : block.base_end] = block.new_lines
             state[path] = "".join(lines).encode("utf-8")

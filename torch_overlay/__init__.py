@@ -49,7 +49,7 @@ def _served() -> str:
     except RuntimeError as e:
         return f"\n(The manifest cannot be read: {e}.)\n"
     lines = [f"\nBases: torch {', '.join(manifest.versions)}. Served at run time:\n"]
-    lines += [f"- ``{m.path}``\n" for m in manifest.runtime_modules]
+    lines += [f"- ``{m.path}``{' (a new module)' if m.new else ''}\n" for m in manifest.runtime_modules]
     for m in manifest.modules:
         if not m.runtime:
             lines.append(f"Changed in docstrings only, in fork mode and the series, not served: ``{m.path}``.\n")

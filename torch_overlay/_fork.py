@@ -9,7 +9,8 @@ no persistent overlay, a writable tree, every patch applies), saves the original
 NOTE: the state is saved before the first file is replaced, so a process killed half-way leaves each file at
 either its ``before_sha256`` or its ``after_sha256``: ``apply()`` of the same series completes such a state,
 ``revert()`` restores only the files at ``after_sha256``, and the state directory goes last (renamed away in
-one step), so a revert killed before that is completed by running it again.
+one step), so a revert killed before that is completed by running it again. A new module (one no release
+ships) is absent before: its ``before_sha256`` is None; apply creates it and revert removes it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class ForkError(RuntimeError):
 @dataclass(frozen=True)
 class ForkFile:
     path: str
-    before_sha256: str
-    after_sha256: str
+    before_sha256: str | None
+    """None: the file is absent before (a new module)."""
+    after_sha256: str | None
 
 
 @dataclass(frozen=True)
@@ -105,20 +107,30 @@ def series(patches_dir: Path | None, base_version: str) -> list[Path]:
         raise ForkError(f"torch_overlay: {e}. Nothing was changed.") from e
 
 
-def patched(base: dict[str, bytes], patch_files: list[Path]) -> dict[str, bytes]:
-    """The files after ``git apply`` of every patch in order (``torch/...`` paths only); raises naming the patch."""
+def _sha256(content: bytes | None) -> str | None:
+    return None if content is None else sha256_hex(content)
+
+
+def patched(base: dict[str, bytes | None], patch_files: list[Path]) -> dict[str, bytes | None]:
+    """The files after ``git apply`` of every patch in order (``torch/...`` paths only; None: absent); raises
+    naming the patch."""
+    present = {path: content for path, content in base.items() if content is not None}
     try:
-        tree = apply_series(base, patch_files, ["--include=torch/*", "--exclude=*"])
+        tree = apply_series(present, patch_files, ["--include=torch/*", "--exclude=*"])
     except PatchApplyError as e:
         raise ForkError(
             f"torch_overlay: {e.patch} does not apply to the installed torch: {e.stderr}\n"
             "Nothing was changed. Regenerate the series with `make patches` and run `make check`."
         ) from e
-    return {path: tree[path] for path in base}
+    return {path: tree.get(path) for path in base}
 
 
-def _write_atomically(target: Path, content: bytes) -> None:
-    write_atomically(target, content)
+def _write_atomically(target: Path, content: bytes | None) -> None:
+    """Write ``content``, or remove the file for None (a new module, on revert)."""
+    if content is None:
+        target.unlink(missing_ok=True)
+    else:
+        write_atomically(target, content)
     # A stale bytecode cache could outlive a replacement within the same second; drop it.
     for cached in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
         cached.unlink(missing_ok=True)
@@ -128,7 +140,7 @@ class InterruptedForkError(ForkError):
     """Replacing the files failed half-way and putting the replaced ones back failed too; the state is kept."""
 
 
-def _replace_all(torch_dir: Path, files: dict[str, bytes], fallback: dict[str, bytes], redo: str) -> None:
+def _replace_all(torch_dir: Path, files: dict[str, bytes | None], fallback: dict[str, bytes | None], redo: str) -> None:
     """Replace every file, or (on any error) put back ``fallback`` for the ones already replaced.
 
     When putting back fails too, raises :class:`InterruptedForkError`, saying to run ``redo`` (which completes
@@ -193,7 +205,8 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
     digest = _digest(patch_files)
     targets = [Path(m.upstream_file(torch_dir)) for m in manifest.modules]
     _refuse_unwritable(sorted({t.parent for t in targets} | {torch_dir.parent}))
-    base = {m.path: Path(m.upstream_file(torch_dir)).read_bytes() for m in manifest.modules}
+    # NOTE: a new module's file is absent here: the base check refuses a torch that ships one.
+    base = {m.path: None if m.new else Path(m.upstream_file(torch_dir)).read_bytes() for m in manifest.modules}
     after = patched(base, patch_files)
     changed = {p: c for p, c in after.items() if c != base[p]}
     state = ForkState(
@@ -201,7 +214,7 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
         base_version=check.matched.version,
         patches=tuple(p.name for p in patch_files),
         patches_sha256=digest,
-        files=tuple(ForkFile(p, sha256_hex(base[p]), sha256_hex(after[p])) for p in base),
+        files=tuple(ForkFile(p, _sha256(base[p]), _sha256(after[p])) for p in base),
         torch_version=public_version(check.found_version or check.matched.version),
     )
     _save_originals(torch_dir, base, state)
@@ -222,12 +235,12 @@ def _digest(patch_files: list[Path]) -> str:
 def _complete(torch_dir: Path, state: ForkState, patch_files: list[Path]) -> bool:
     """Finish an apply that was interrupted (files still at ``before_sha256``); False when none is left."""
     current = _current(torch_dir, state)
-    pending = [f for f in state.files if sha256_hex(current[f.path]) != f.after_sha256]
+    pending = [f for f in state.files if _sha256(current[f.path]) != f.after_sha256]
     if not pending:
         return False
     after = patched(_saved_originals(torch_dir, state, state.files), patch_files)
     for f in pending:
-        if sha256_hex(after[f.path]) != f.after_sha256:
+        if _sha256(after[f.path]) != f.after_sha256:
             raise ForkError(
                 f"torch_overlay: the series does not rebuild the patched {f.path} recorded in "
                 f"{state_dir(torch_dir) / 'state.json'}. Nothing was changed. Run `torch-overlay revert-patches`."
@@ -236,7 +249,7 @@ def _complete(torch_dir: Path, state: ForkState, patch_files: list[Path]) -> boo
     return True
 
 
-def _save_originals(torch_dir: Path, base: dict[str, bytes], state: ForkState) -> None:
+def _save_originals(torch_dir: Path, base: dict[str, bytes | None], state: ForkState) -> None:
     directory = state_dir(torch_dir)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{STATE_DIR_NAME}-", dir=directory.parent))
@@ -247,7 +260,7 @@ def _save_originals(torch_dir: Path, base: dict[str, bytes], state: ForkState) -
         ) from e
     try:
         tmp.chmod(0o755)
-        for path, content in base.items():
+        for path, content in [(p, c) for p, c in base.items() if c is not None]:
             (tmp / "originals" / path).parent.mkdir(parents=True, exist_ok=True)
             (tmp / "originals" / path).write_bytes(content)
         (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2) + "\n", encoding="utf-8")
@@ -263,26 +276,29 @@ def _save_originals(torch_dir: Path, base: dict[str, bytes], state: ForkState) -
         raise
 
 
-def _current(torch_dir: Path, state: ForkState) -> dict[str, bytes]:
-    """Each file's bytes; raises when one is at neither its original nor its patched sha256."""
+def _current(torch_dir: Path, state: ForkState) -> dict[str, bytes | None]:
+    """Each file's bytes (None: absent); raises when one is at neither its original nor its patched sha256."""
     current = {}
     for f in state.files:
         target = torch_dir.parent / f.path
         content = target.read_bytes() if target.is_file() else None
-        found = None if content is None else sha256_hex(content)
-        if content is None or found not in (f.before_sha256, f.after_sha256):
+        found = _sha256(content)
+        if found not in (f.before_sha256, f.after_sha256):
             raise ForkError(
-                f"torch_overlay: {target} changed since fork mode was applied (sha256 {found}; expected the "
-                f"patched {f.after_sha256} or the original {f.before_sha256}). Nothing was changed. "
-                + _reinstall_hint(torch_dir, state.base_version)
+                f"torch_overlay: {target} changed since fork mode was applied (sha256 {found or 'absent'}; "
+                f"expected the patched {f.after_sha256} or the original {f.before_sha256 or 'absent file'}). "
+                "Nothing was changed. " + _reinstall_hint(torch_dir, state.base_version)
             )
         current[f.path] = content
     return current
 
 
-def _saved_originals(torch_dir: Path, state: ForkState, files: tuple[ForkFile, ...]) -> dict[str, bytes]:
-    originals = {}
+def _saved_originals(torch_dir: Path, state: ForkState, files: tuple[ForkFile, ...]) -> dict[str, bytes | None]:
+    originals: dict[str, bytes | None] = {}
     for f in files:
+        if f.before_sha256 is None:  # a new module: nothing saved, absent before
+            originals[f.path] = None
+            continue
         saved = originals_dir(torch_dir) / f.path
         try:
             content = saved.read_bytes()
@@ -319,7 +335,7 @@ def revert(torch_dir: Path | None = None) -> ForkState | None:
     if state is None:
         return None
     current = _current(torch_dir, state)
-    patched_files = tuple(f for f in state.files if sha256_hex(current[f.path]) != f.before_sha256)
+    patched_files = tuple(f for f in state.files if _sha256(current[f.path]) != f.before_sha256)
     originals = _saved_originals(torch_dir, state, patched_files)
     _replace_all(torch_dir, originals, current, redo="torch-overlay revert-patches")
     _remove_state(torch_dir)

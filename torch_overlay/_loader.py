@@ -9,10 +9,11 @@ install, the test suite's boot directory):
   global that another module bound with ``from X import f`` is rebound to the overlay's ``f``.
 
 Deactivation is the same swap run backwards: the finder is removed, each overlay module is swapped for the
-original module object (or, if the module was first imported while active, a fresh stock one) and every
-binding is pointed back. Original module objects are never mutated, so their functions keep their
-identity. References held outside module globals (a hook already registered on a model, a closure) keep
-whatever they captured; that is why activation belongs before models are built.
+original module object (or, if the module was first imported while active, a fresh stock one; a new module,
+which stock torch does not have, is removed) and every binding is pointed back. Original module objects are
+never mutated, so their functions keep their identity. References held outside module globals (a hook already
+registered on a model, a closure) keep whatever they captured; that is why activation belongs before models
+are built.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def deactivate() -> None:
             return
         manifest = load_manifest()
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
+        removed: list[tuple[str, types.ModuleType]] = []
         try:
             # NOTE: forward (dependency) order, so that a stock module executed afresh here imports the
             # stock versions of the manifest modules before it, never the overlay ones.
@@ -127,10 +129,18 @@ def deactivate() -> None:
                 current = sys.modules.get(overlay.name)
                 if current is None or not is_overlay_module(current, overlay):
                     continue
+                if overlay.new:  # no stock module: stock torch has none
+                    _remove(overlay.name, current)
+                    removed.append((overlay.name, current))
+                    continue
                 original = _originals.get(overlay.name) or _execute(overlay.name, _stock_spec(overlay.name))
                 _swap(overlay.name, current, original, manifest)
                 done.append((overlay.name, current, original))
         except BaseException:
+            for name, current in removed:
+                sys.modules[name] = current
+                parent_name, _, child = name.rpartition(".")
+                setattr(sys.modules[parent_name], child, current)
             for name, current, original in reversed(done):
                 _swap(name, original, current, manifest)
             raise
@@ -170,6 +180,15 @@ def _execute(name: str, spec: ModuleSpec | None) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _remove(name: str, module: types.ModuleType) -> None:
+    """Take a new module (one stock torch does not have) out of ``sys.modules`` and its parent package."""
+    del sys.modules[name]
+    parent_name, _, child = name.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if parent is not None and getattr(parent, child, None) is module:
+        delattr(parent, child)
 
 
 def _swap(name: str, old: types.ModuleType, new: types.ModuleType, manifest: Manifest) -> None:

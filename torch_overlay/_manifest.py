@@ -21,11 +21,13 @@ MANIFEST_PATH = os.path.join(PACKAGE_DIR, "manifest.json")
 
 
 class OverlayModule:
-    """One upstream module that the overlay replaces as a whole file."""
+    """One upstream module that the overlay replaces as a whole file, or a new module it adds."""
 
-    __slots__ = ("name", "path", "runtime", "code_sha256")
+    __slots__ = ("name", "path", "runtime", "code_sha256", "new")
 
-    def __init__(self, name: str, path: str, runtime: bool = True, code_sha256: str | None = None) -> None:
+    def __init__(
+        self, name: str, path: str, runtime: bool = True, code_sha256: str | None = None, new: bool = False
+    ) -> None:
         self.name = name
         """Dotted module name, e.g. ``torch.distributed.fsdp._unshard_param_utils``."""
         self.path = path
@@ -40,9 +42,14 @@ class OverlayModule:
         comments aside), or None. It lets the one payload serve a runtime file whose bases differ only in
         comments; the guard still checks each base's exact sha256, and the sync check (``tools.check``) verifies
         the claim on every base's pristine file."""
+        self.new = new
+        """A module with no upstream counterpart (a private helper a replaced file imports): no base ships the
+        file, which every base records as ``null`` (absent), so the guard refuses a torch that has one. The
+        runtime overlay serves it like the others, fork mode creates it (and removes it on revert), and the
+        series adds it as a new file."""
 
     def __repr__(self) -> str:
-        return f"OverlayModule({self.name!r}, runtime={self.runtime})"
+        return f"OverlayModule({self.name!r}, runtime={self.runtime}{', new=True' if self.new else ''})"
 
     @property
     def overlay_file(self) -> str:
@@ -59,10 +66,15 @@ class Base:
 
     __slots__ = ("version", "sha256")
 
-    def __init__(self, version: str, sha256: dict[str, str]) -> None:
+    def __init__(self, version: str, sha256: dict[str, str | None]) -> None:
         self.version = version
         self.sha256 = sha256
-        """Manifest path -> sha256 of that release's upstream file."""
+        """Manifest path -> sha256 of that release's upstream file; None for a new module (the file is absent)."""
+
+    @property
+    def upstream(self) -> dict[str, str]:
+        """The paths this release ships -> their sha256 (every manifest path but the new modules')."""
+        return {p: h for p, h in self.sha256.items() if h is not None}
 
     def __repr__(self) -> str:
         return f"Base({self.version!r})"
@@ -85,6 +97,11 @@ class Manifest:
     def runtime_modules(self) -> tuple[OverlayModule, ...]:
         """The modules the runtime overlay serves (see :attr:`OverlayModule.runtime`)."""
         return tuple(m for m in self.modules if m.runtime)
+
+    @property
+    def new_modules(self) -> tuple[OverlayModule, ...]:
+        """The modules with no upstream counterpart (see :attr:`OverlayModule.new`)."""
+        return tuple(m for m in self.modules if m.new)
 
     @property
     def versions(self) -> tuple[str, ...]:
@@ -130,7 +147,8 @@ def _read(path: str) -> Manifest:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
         modules = tuple(
-            OverlayModule(m["name"], m["path"], m.get("runtime", True), m.get("code_sha256")) for m in raw["modules"]
+            OverlayModule(m["name"], m["path"], m.get("runtime", True), m.get("code_sha256"), m.get("new", False))
+            for m in raw["modules"]
         )
         bases = tuple(Base(b["version"], dict(b["sha256"])) for b in raw["bases"])
         manifest = Manifest(raw["package"], modules, bases)
@@ -152,6 +170,10 @@ def _read(path: str) -> Manifest:
     for b in bases:
         if set(b.sha256) != paths:
             problems.append(f"base {b.version} records {sorted(b.sha256)}, not the modules' paths {sorted(paths)}")
+        for m in modules:
+            if m.path in b.sha256 and (b.sha256[m.path] is None) != m.new:
+                what = "null (a new module: no release ships it)" if m.new else "its upstream file's sha256"
+                problems.append(f"base {b.version}: {m.path} must be recorded as {what}")
         # NOTE: there is one payload: a runtime file may only be served on a base whose upstream file is the
         # one the payload was made from, or differs from it only in comments (the module's code_sha256, which
         # the sync check verifies). Bases whose docstring-only files differ are fine (fork mode patches).
@@ -241,12 +263,18 @@ def sha256_of(path: str | os.PathLike[str]) -> str:
         return sha256_hex(f.read())
 
 
-def hash_mismatches(expected: dict[str, str], found: dict[str, str | None]) -> list[str]:
-    """One line per file whose sha256 in ``found`` (None: missing) is not the ``expected`` one."""
+def hash_mismatches(expected: dict[str, str | None], found: dict[str, str | None]) -> list[str]:
+    """One line per file whose sha256 in ``found`` (None: missing) is not the ``expected`` one (None: absent)."""
     lines = []
     for path, want in expected.items():
         got = found.get(path)
-        if got is None:
+        if want is None:
+            if got is not None:
+                lines.append(
+                    f"{path}: present (sha256 {got}), expected absent: the overlay adds this module, and this torch "
+                    "ships its own"
+                )
+        elif got is None:
             lines.append(f"{path}: missing (expected sha256 {want})")
         elif got != want:
             lines.append(f"{path}: sha256 {got}, expected {want}")

@@ -168,3 +168,22 @@ def share_upstream_edit(project: Project, tmp: Path) -> None:
         diff = git_diff(old, new, path, tmp / f"diff-{name}")
         write(root, {f"test/upstream_edits/{path}.{name}.diff": "Upstream-Base: pytorch/pytorch@abc123\n" + diff})
     write(root, {path: SHARED_NEW})
+
+
+GAMMA = "def gamma():\n    return 3  # extended\n"
+"""A new module (no release ships it) that the second patch, extend, adds whole."""
+
+
+def add_new_module(project: Project) -> None:
+    """Make ``torch/fake/gamma.py`` a new module of the project: null on every base, added by extend."""
+    path = "torch/fake/gamma.py"
+    raw = json.loads(project.manifest_path.read_text())
+    raw["modules"].append({"name": "torch.fake.gamma", "path": path, "new": True})
+    for base in raw["bases"]:
+        base["sha256"][path] = None
+    project.manifest_path.write_text(json.dumps(raw, indent=2) + "\n")
+    write(project.root, {f"torch_overlay/{path}": GAMMA})
+    claim = '  { file = "torch/fake/beta.py", match = "extended" },\n'
+    series = project.series_toml.read_text()
+    assert claim in series
+    project.series_toml.write_text(series.replace(claim, claim + f'  {{ file = "{path}", match = "extended" }},\n'))

@@ -11,13 +11,16 @@ import unittest
 
 from scratch_env import run
 
+from torch_overlay._manifest import load_manifest
+
 PRELUDE = textwrap.dedent(
     """
-    import inspect, json, sys, threading, types
+    import importlib, inspect, json, sys, threading, types
     import torch_overlay
     from torch_overlay._manifest import load_manifest, PACKAGE_DIR
 
-    NAMES = [m.name for m in load_manifest().modules]
+    NAMES = [m.name for m in load_manifest().modules if not m.new]
+    NEW = [m.name for m in load_manifest().new_modules]  # no stock module: served, then removed
 
     def is_ours(fn):
         return inspect.unwrap(fn).__code__.co_filename.startswith(str(PACKAGE_DIR))
@@ -79,9 +82,19 @@ class ActivationTest(unittest.TestCase):
                 ],
                 "parent_attribute": sys.modules["torch.distributed.fsdp"]._unshard_param_utils is swapped[2],
                 "status_active": torch_overlay.status().process.active,
+                "new_modules_served": [
+                    importlib.import_module(n).__file__.startswith(PACKAGE_DIR) for n in NEW
+                ],
             }
             torch_overlay.deactivate()
             torch_overlay.deactivate()
+            gone = []
+            for n in NEW:
+                parent, _, child = n.rpartition(".")
+                try:
+                    importlib.import_module(n)
+                except ModuleNotFoundError:
+                    gone.append(n not in sys.modules and not hasattr(sys.modules[parent], child))
             after = references()
             report.update(
                 same_bindings=sorted(map(str, before)) == sorted(map(str, after)),
@@ -90,12 +103,16 @@ class ActivationTest(unittest.TestCase):
                 same_meta_path=sys.meta_path == meta_path,
                 status_active_after=torch_overlay.status().process.active,
                 bindings_checked=len(before),
+                new_modules_gone=gone,
             )
             print(json.dumps(report))
             """
         )
         self.assertEqual(report.pop("importers_rebound"), [True] * 5)
         self.assertGreater(report.pop("bindings_checked"), 20)
+        new = len(load_manifest().new_modules)
+        self.assertEqual(report.pop("new_modules_served"), [True] * new)
+        self.assertEqual(report.pop("new_modules_gone"), [True] * new)
         self.assertEqual(
             report,
             {

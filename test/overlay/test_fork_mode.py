@@ -1,9 +1,10 @@
 """Fork mode on a scratch copy of the installed torch (a symlink tree: replacing a file never touches .venv).
 
-The series used here is generated from a synthetic overlay holding only the summon_full_params warning fix,
-so the red test test_fsdp_unshard_offload_warning.py proves fork mode end to end: it passes in the scratch
-interpreter with fork mode applied (no overlay: TORCH_OVERLAY=0, no boot directory); once reverted, every file
-is the stock file again, byte for byte (where `pytest --stock` proves the test red).
+The series used here is generated from a synthetic overlay holding only the summon_full_params warning fix
+(and a one-line version of each new module, which fork mode creates and removes), so the red test
+test_fsdp_unshard_offload_warning.py proves fork mode end to end: it passes in the scratch interpreter with
+fork mode applied (no overlay: TORCH_OVERLAY=0, no boot directory); once reverted, every file is the stock
+file again, byte for byte, and each new module is gone (where `pytest --stock` proves the test red).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ name = "warning"
 title = "[FSDP] Fix the offload warning"
 summary = "Add the missing space."
 test_plan = "python test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"
-claims = [{ file = "torch/distributed/fsdp/_unshard_param_utils.py", match = 'may result in the "' }]
+claims = [
+  { file = "torch/distributed/fsdp/_unshard_param_utils.py", match = 'may result in the "' },
+  NEW_CLAIMS
+]
 tests = ["test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"]
 """
 
@@ -56,10 +60,19 @@ def installed_base_project(root: Path) -> tuple[Project, dict[str, bytes], str]:
     return project, pristine(project).files(project.manifest().payload_base), version
 
 
-def _hashes(torch_dir: Path) -> dict[str, str]:
-    return {
-        m.path: hashlib.sha256((torch_dir.parent / m.path).read_bytes()).hexdigest() for m in load_manifest().modules
-    }
+NEW_FILES = [m.path for m in load_manifest().new_modules]
+"""The new modules (no release ships them): fork mode creates them, and removes them on revert."""
+NEW_CONTENT = b"# a new module of the series\n"
+
+
+def _new_claims(match: str) -> str:
+    return ", ".join(f'{{ file = "{path}", match = "{match}" }}' for path in NEW_FILES)
+
+
+def _hashes(torch_dir: Path) -> dict[str, str | None]:
+    """Each manifest file's sha256; None where it is absent (a new module before fork mode)."""
+    files = {m.path: torch_dir.parent / m.path for m in load_manifest().modules}
+    return {p: hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None for p, f in files.items()}
 
 
 class TestForkMode(expecttest.TestCase):
@@ -81,8 +94,11 @@ class TestForkMode(expecttest.TestCase):
                 content = content.replace(b'may result in the"', b'may result in the "')
             project.overlay_file(path).parent.mkdir(parents=True, exist_ok=True)
             project.overlay_file(path).write_bytes(content)
+        for path in NEW_FILES:
+            project.overlay_file(path).parent.mkdir(parents=True, exist_ok=True)
+            project.overlay_file(path).write_bytes(NEW_CONTENT)
         project.patches_dir.mkdir()
-        project.series_toml.write_text(textwrap.dedent(SERIES))
+        project.series_toml.write_text(textwrap.dedent(SERIES).replace("NEW_CLAIMS", _new_claims("a new module")))
         (project.root / RED_TEST.relative_to(REPO_ROOT)).parent.mkdir(parents=True)
         shutil.copy2(RED_TEST, project.root / RED_TEST.relative_to(REPO_ROOT))
         write(project, generate(project, pristine(project)))
@@ -111,12 +127,16 @@ class TestForkMode(expecttest.TestCase):
 
     def test_apply_revert_end_to_end(self) -> None:
         patches = ["--patches", str(self.patches_dir)]
+        changed = ", ".join([WARNING_FILE, *NEW_FILES])
         self.assertEqual(
             self.cli("apply-patches", *patches),
-            f"torch-overlay: fork mode applied: 1 patches to torch {self.version}: {WARNING_FILE}\n"
+            f"torch-overlay: fork mode applied: 1 patches to torch {self.version}: {changed}\n"
             "Revert with `torch-overlay revert-patches`.\n",
         )
         self.assertNotEqual(_hashes(self.torch_dir)[WARNING_FILE], self.pristine[WARNING_FILE])
+        for path in NEW_FILES:
+            self.assertIsNone(self.pristine[path])
+            self.assertEqual((self.torch_dir.parent / path).read_bytes(), NEW_CONTENT)
         self.assertExpectedInline(
             self.cli("apply-patches", *patches),
             """\
@@ -140,7 +160,8 @@ torch-overlay: check failed: fork mode is applied (1 patches in place), so the i
         self.assertEqual(green.returncode, 0, green.stderr[-3000:])
 
         self.assertEqual(
-            self.cli("revert-patches"), f"torch-overlay: fork mode reverted: 1 files restored to torch {self.version}\n"
+            self.cli("revert-patches"),
+            f"torch-overlay: fork mode reverted: {1 + len(NEW_FILES)} files restored to torch {self.version}\n",
         )
         self.assertEqual(_hashes(self.torch_dir), self.pristine)
         self.assertFalse(_fork.state_dir(self.torch_dir).exists())
@@ -220,8 +241,11 @@ class TestForkInterrupted(expecttest.TestCase):
                 content += b"# fork-kill-test\n"
             project.overlay_file(path).parent.mkdir(parents=True, exist_ok=True)
             project.overlay_file(path).write_bytes(content)
+        for path in NEW_FILES:  # created after the two files, removed after them
+            project.overlay_file(path).parent.mkdir(parents=True, exist_ok=True)
+            project.overlay_file(path).write_bytes(b"# fork-kill-test\n")
         project.patches_dir.mkdir()
-        claims = ", ".join(f'{{ file = "{p}", match = "fork-kill-test" }}' for p in self.changed)
+        claims = ", ".join(f'{{ file = "{p}", match = "fork-kill-test" }}' for p in self.changed + NEW_FILES)
         project.series_toml.write_text(
             'author = "Pat Maintainer <pat@example.com>"\n'
             f'[[patch]]\nname = "two"\ntitle = "Two files"\nsummary = "s"\ntest_plan = "t"\nclaims = [{claims}]\n'

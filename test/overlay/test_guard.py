@@ -59,6 +59,18 @@ class GuardTest(unittest.TestCase):
         self.assertEqual(len(problems), 2, problems)
         self.assertIn(f"{UNSHARD.path}: missing (expected sha256 {self.base.sha256[UNSHARD.path]})", problems[1])
 
+    def test_a_torch_shipping_a_new_module_is_refused(self):
+        """The overlay adds modules no release ships; a torch that has one would have them shadowed."""
+        for module in MANIFEST.new_modules:
+            Path(module.upstream_file(self.torch_dir)).write_text("upstream = True\n")
+        problems = check_base(torch_dir=self.torch_dir).problems()
+        self.assertEqual(len(problems), 1 + len(MANIFEST.new_modules), problems)
+        self.assertRegex(
+            problems[1],
+            r"^torch/\S+\.py: present \(sha256 [0-9a-f]{64}\), expected absent: the overlay adds this module, "
+            "and this torch ships its own$",
+        )
+
     def test_unlisted_release_with_a_base_files_is_served_with_a_warning(self):
         self.set_version("99.0.0+cpu")
         check = check_base(torch_dir=self.torch_dir)

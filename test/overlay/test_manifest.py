@@ -3,6 +3,7 @@ where its module records the code digest they share (``code_sha256``)."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 import unittest
 from pathlib import Path
@@ -78,6 +79,35 @@ class TestRuntimeFileRule(unittest.TestCase):
         self.path.write_text(manifest_text({"9.9.0": BASE}, {"torch/fake/beta.py": "abc"}))
         with self.assertRaisesRegex(RuntimeError, "module torch.fake.beta has code_sha256 'abc', not a sha256"):
             load_manifest(self.path)
+
+
+class TestNewModule(unittest.TestCase):
+    """A new module (no upstream counterpart) is recorded absent (null) on every base, and only it is."""
+
+    def manifest(self, gamma_sha256: str | None, new: bool = True) -> Path:
+        raw = json.loads(manifest_text({"9.9.0": BASE}))
+        raw["modules"].append({"name": "torch.fake.gamma", "path": "torch/fake/gamma.py", "new": new})
+        raw["bases"][0]["sha256"]["torch/fake/gamma.py"] = gamma_sha256
+        path = Path(self._tmp.name) / "manifest.json"
+        path.write_text(json.dumps(raw))
+        return path
+
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def test_new_module_recorded_absent(self) -> None:
+        manifest = load_manifest(self.manifest(None))
+        self.assertEqual([m.name for m in manifest.new_modules], ["torch.fake.gamma"])
+        self.assertNotIn("torch/fake/gamma.py", manifest.payload_base.upstream)
+
+    def test_new_module_with_a_sha256_or_absent_file_of_a_replaced_module_is_refused(self) -> None:
+        with self.assertRaisesRegex(RuntimeError, "gamma.py must be recorded as null .a new module"):
+            load_manifest(self.manifest("0" * 64))
+        with self.assertRaisesRegex(RuntimeError, "gamma.py must be recorded as its upstream file's sha256"):
+            load_manifest(self.manifest(None, new=False))
 
 
 if __name__ == "__main__":

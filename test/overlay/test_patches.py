@@ -14,11 +14,13 @@ import expecttest
 from _patch_project import (
     ALPHA,
     BASE,
+    GAMMA,
     OLD_BASE,
     OVERLAY,
     SHARED_MID,
     SHARED_NEW,
     SHARED_OLD,
+    add_new_module,
     git_diff,
     make_project,
     manifest_text,
@@ -170,6 +172,25 @@ Set it once, from `git config user.name` and `git config user.email`.""",
 patches/0002-extend.patch: differs from what the overlay and series.toml generate; run `make patches`
 torch 9.8.0: torch/fake/beta.py: the applied series differs from the overlay file torch_overlay/torch/fake/beta.py
 torch 9.9.0: torch/fake/beta.py: the applied series differs from the overlay file torch_overlay/torch/fake/beta.py""",
+        )
+
+    def test_new_module_is_a_new_file_of_its_patch(self) -> None:
+        """A module no release ships is added whole by the patch that claims it, on every base."""
+        add_new_module(self.project)
+        files = self.regenerate()
+        gamma = "diff --git a/torch/fake/gamma.py b/torch/fake/gamma.py\nnew file mode 100644\n"
+        self.assertNotIn("gamma.py", files["0001-fix-alpha.patch"].decode())
+        self.assertIn(gamma, files["0002-extend.patch"].decode())
+        self.assertEqual(self.check(), [])
+        self.assertEqual((self.apply("series-9.8.0", OLD_BASE) / "torch/fake/gamma.py").read_text(), GAMMA)
+        overlay = self.project.overlay_file("torch/fake/gamma.py")
+        overlay.write_text(GAMMA.replace("3  #", "4  #"))
+        self.assertExpectedInline(
+            "\n".join(self.check()),
+            """\
+patches/0002-extend.patch: differs from what the overlay and series.toml generate; run `make patches`
+torch 9.8.0: torch/fake/gamma.py: the applied series differs from the overlay file torch_overlay/torch/fake/gamma.py
+torch 9.9.0: torch/fake/gamma.py: the applied series differs from the overlay file torch_overlay/torch/fake/gamma.py""",
         )
 
     def test_patch_that_does_not_apply(self) -> None:

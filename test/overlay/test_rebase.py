@@ -11,7 +11,7 @@ import unittest
 from pathlib import Path
 
 import expecttest
-from _patch_project import ALPHA, BASE, OLD_BASE, OVERLAY, make_project, manifest_text
+from _patch_project import ALPHA, BASE, OLD_BASE, OVERLAY, add_new_module, make_project, manifest_text
 
 from tools import rebase
 from tools.check import check
@@ -179,6 +179,23 @@ Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tel
         self.assertIn("rebase: torch 10.0.0 was not added; every file was put back as it was", text)
         self.assertEqual(self.snapshot(), self.before)
         self.assertEqual(self.project.manifest().versions, ("9.8.0", "9.9.0"))
+
+    def test_release_shipping_a_new_module_is_refused(self) -> None:
+        add_new_module(self.project)
+        write(self.project, generate(self.project, pristine(self.project, self.sources)))
+        before = self.snapshot()
+        upstream = self.upstream("10.0.0", {**BASE, "torch/fake/gamma.py": "upstream = True\n"})
+        self.assertExpectedInline(
+            self.run_rebase(upstream),
+            """\
+exit 1
+rebase: torch 10.0.0 ships torch/fake/gamma.py, which the overlay adds as a new module (no base has it): serving ours would shadow upstream's. Port our change onto upstream's module (make it a replaced module in manifest.json and series.toml) or drop ours; nothing changed
+""",  # noqa: E501
+        )
+        self.assertEqual(self.snapshot(), before)
+        (upstream / "torch/fake/gamma.py").unlink()  # without it, the release joins, the module recorded absent
+        self.assertIn("rebase: torch 10.0.0 added", self.run_rebase(upstream))
+        self.assertIsNone(self.project.manifest().base("10.0.0").sha256["torch/fake/gamma.py"])
 
     def test_listed_release_with_other_files_is_refused(self) -> None:
         edited = {**BASE, "torch/fake/beta.py": "edited\n"}

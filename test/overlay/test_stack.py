@@ -9,7 +9,7 @@ import unittest
 from pathlib import Path
 
 import expecttest
-from _patch_project import BASE, make_project
+from _patch_project import BASE, GAMMA, add_new_module, make_project
 
 from tools.check_stack import (
     Prefix,
@@ -167,6 +167,15 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
         self.assertEqual([(p.entry.file.name, p.backports, p.error) for p in found], [
             ("0001-fix-alpha.patch", (), None), ("0002-extend.patch", (), None),
         ])  # fmt: skip
+
+    def test_a_new_module_is_in_the_prefixes_from_the_patch_that_adds_it(self) -> None:
+        add_new_module(self.project)
+        write(self.project, generate(self.project, self.found))
+        base = self.project.manifest().base("9.9.0")
+        one, two = prefixes(self.project, base, self.found.files(base))
+        self.assertNotIn("torch/fake/gamma.py", one.files)
+        self.assertEqual(two.files["torch/fake/gamma.py"].decode(), GAMMA)
+        self.assertEqual(stack(self.project)[1].stats.code, 4 + len(GAMMA.splitlines()))
 
     def test_rules_and_table_of_the_upstream_stack(self) -> None:
         self.assertEqual([e.file.name for e in stack(self.project)], ["0001-fix-alpha.patch", "0002-extend.patch"])

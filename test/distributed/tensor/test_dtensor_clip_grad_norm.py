@@ -29,6 +29,7 @@ from torch.testing._internal.common_utils import (
     parametrize,
     run_tests,
     TEST_WITH_DEV_DBG_ASAN,
+    TestCase,
 )
 from torch.testing._internal.distributed._tensor.common_dtensor import (
     DTensorContinuousTestBase,
@@ -62,33 +63,28 @@ class Net(nn.Module):
         return self.head(self.net2(F.relu(self.net1(self.embed(x)))))
 
 
-def dtensor_grad(param):
-    """``param.grad``, as a DTensor view if ``param`` is the local shard of one."""
-    spec = getattr(param, "_st_info", None)
-    if spec is None:
-        return param.grad
-    return DTensor.from_local(
-        param.grad,
-        spec.mesh,
-        spec.placements,
-        run_check=False,
-        shape=spec.shape,
-        stride=spec.stride,
-    )
-
-
 def full_grad(param):
-    grad = dtensor_grad(param)
+    grad = param.grad
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 class TestClipGradNormLayouts(DTensorContinuousTestBase):
     world_size = 4
+    _mesh = None
+
+    @property
+    def mesh(self):
+        # Once per class, not per test: each mesh creates its process groups
+        if TestClipGradNormLayouts._mesh is None:
+            TestClipGradNormLayouts._mesh = init_device_mesh(
+                self.device_type, (2, 2), mesh_dim_names=("dp", "tp")
+            )
+        return TestClipGradNormLayouts._mesh
 
     def _layout(self, layout, dtype=torch.float32):
         """A reference model, the same in ``layout`` on a (dp, tp) mesh, its wrapper,
         and the all-reduces its clip takes."""
-        mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = self.mesh
         torch.manual_seed(0)
         ref = Net().to(self.device_type, dtype)
         model = copy.deepcopy(ref)
@@ -98,8 +94,13 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
             # TP parameters on the 2-D mesh, the others on the dp mesh
             fully_shard(model, mesh=mesh["dp"])
             return ref, model, model, 2
+        if layout == "fsdp2_tp_plain":
+            # FSDP2 on the TP block only: two meshes and plain parameters
+            fully_shard(model.net1, mesh=mesh["dp"])
+            fully_shard(model.net2, mesh=mesh["dp"])
+            return ref, model, model, 2
         if layout == "ddp_tp":
-            # Local shards of the TP parameters, with their spec as _st_info
+            # The TP parameters and their gradients stay DTensors under DDP
             return ref, model, DDP(model, device_mesh=mesh["dp"]), 1
         return ref, model, model, 1  # "tp": DTensor and plain parameters
 
@@ -110,7 +111,7 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
         ref(x).pow(2).sum().backward()
         wrapped(x).pow(2).sum().backward()
 
-    @parametrize("layout", ["fsdp2_tp", "tp", "ddp_tp"])
+    @parametrize("layout", ["fsdp2_tp", "fsdp2_tp_plain", "tp", "ddp_tp"])
     def test_clip_grad_norm(self, layout):
         self.run_subtests(
             {
@@ -133,7 +134,7 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
         ref_norm = clip_grad_norm_(ref.parameters(), max_norm, norm_type)
         with CommDebugMode() as comm_mode:
             if two_step:
-                grads = [dtensor_grad(p) for p in model.parameters()]
+                grads = [p.grad for p in model.parameters()]
                 norm = get_total_norm(grads, norm_type, foreach=foreach)
                 clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach)
             else:
@@ -176,8 +177,44 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
         with self.assertRaisesRegex(RuntimeError, "is non-finite"):
             clip_grad_norm_(model.parameters(), 1.0, norm_type, error_if_nonfinite=True)
 
+    @parametrize("layout", ["fsdp2_tp", "tp"])
+    def test_dtensor_total_norm_clips_every_grad(self, layout):
+        """A norm of the TP gradients alone (a DTensor) clips gradients on several
+        meshes, or DTensor and plain ones."""
+        ref, model, wrapped, _ = self._layout(layout)
+        self._backward(ref, wrapped)
+        tp_names = ["net1.weight", "net1.bias", "net2.weight"]
+        ref_norm = get_total_norm([ref.get_parameter(n).grad for n in tp_names])
+        norm = get_total_norm([model.get_parameter(n).grad for n in tp_names])
+        self.assertIsInstance(norm, DTensor)
+        clip_grads_with_norm_(ref.parameters(), 0.05, ref_norm)
+        clip_grads_with_norm_(model.parameters(), 0.05, norm)
+        for name, param in model.named_parameters():
+            self.assertEqual(full_grad(param), ref.get_parameter(name).grad, msg=name)
+
+    def test_local_shards_on_different_devices_raise(self):
+        """DTensors sharded over one process group with local shards on different
+        devices (say, some offloaded to CPU) raise before any collective."""
+        mesh = self.mesh
+        grads = [
+            distribute_tensor(
+                torch.ones(4, 4, device=self.device_type), mesh["dp"], [Shard(0)]
+            ),
+            # "meta" stands for another device: a CPU-only machine has one device
+            DTensor.from_local(
+                torch.ones(2, 4, device="meta"),
+                mesh,
+                [Shard(0), Shard(1)],
+                run_check=False,
+            ),
+        ]
+        with self.assertRaisesRegex(
+            ValueError, r"local shards are on different devices \(.*meta"
+        ):
+            get_total_norm(grads)
+
     def test_partial_placement_raises(self):
-        mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = self.mesh
         grad = torch.ones(4, device=self.device_type)
         grads = [
             DTensor.from_local(grad, mesh["dp"], [Partial()]),
@@ -188,7 +225,7 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
 
     def test_stock_paths(self):
         """Plain tensors only, and DTensors on one mesh (the result is a DTensor)."""
-        mesh = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = self.mesh
         torch.manual_seed(0)
         full = [torch.randn(8, 4, device=self.device_type) for _ in range(3)]
         placements = [[Shard(0), Shard(1)], [Shard(1), Replicate()], [Replicate()] * 2]
@@ -209,6 +246,24 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
             self.assertEqual(dnorm.full_tensor(), norm)
             for p, q in zip(plain, params, strict=True):
                 self.assertEqual(q.grad.full_tensor(), p.grad)
+
+
+class TestClipGradNormCompile(TestCase):
+    def test_plain_path_compiles_as_one_graph(self):
+        """Plain gradients compile without a graph break, as before DTensor support,
+        also once DTensor is imported (it is, by this file)."""
+        params = [nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+        grads = [torch.randn(4, 4) for _ in params]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        ref_norm = clip_grad_norm_(params, 0.5)
+        ref_grads = [p.grad for p in params]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        torch._dynamo.reset()
+        compiled = torch.compile(clip_grad_norm_, backend="eager", fullgraph=True)
+        self.assertEqual(compiled(params, 0.5), ref_norm)
+        self.assertEqual([p.grad for p in params], ref_grads)
 
 
 instantiate_parametrized_tests(TestClipGradNormLayouts)

@@ -46,99 +46,13 @@ def _no_grad(func: Callable[_P, _R]) -> Callable[_P, _R]:
     return _no_grad_wrapper
 
 
-def _dtensor_type() -> type | None:
-    # DTensors exist only once their module is imported; plain tensors never import it.
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-
-
 def _spans_meshes(tensors: list[Tensor]) -> bool:
-    r"""Whether ``tensors`` mix DTensors with plain tensors or span several meshes.
-
-    DTensor ops compute the norm of DTensors on one mesh (the result is a DTensor),
-    but they cannot stack norms from several meshes or mix DTensors with plain
-    tensors: such tensors take :func:`_norms_over_meshes` instead.
-    """
-    DTensor = _dtensor_type()
-    if DTensor is None:
+    # DTensor ops take DTensors on one mesh, not on several or mixed with plain tensors
+    DTensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    classes = set(map(type, tensors))  # cheaper than isinstance per tensor
+    if DTensor is None or not any(issubclass(c, DTensor) for c in classes):
         return False
-    meshes = {t.device_mesh for t in tensors if isinstance(t, DTensor)}
-    return len(meshes) > 1 or (
-        len(meshes) == 1 and not all(isinstance(t, DTensor) for t in tensors)
-    )
-
-
-def _norms_over_meshes(
-    tensors: list[Tensor], norm_type: float, foreach: bool | None
-) -> list[Tensor]:
-    r"""Compute the norms of plain tensors and DTensors on any meshes, one per set of
-    process groups their local shards are reduced over: their norm is the total.
-
-    NOTE: The norm of a DTensor is computed from its local shard. The local norms of
-    all DTensors sharded over the same process groups are reduced together, in
-    float32 or wider (a sum of p-th powers; the max for ``inf``, the min for
-    ``-inf``), with one all-reduce per process group, whatever the number of
-    tensors or meshes: no gradient is gathered, and FSDP2 + TP (the TP parameters on
-    a 2-D mesh, the others on its data parallel mesh) takes two all-reduces.
-    ``Replicate`` mesh dimensions and plain tensors count once, locally. As for any
-    DTensor op, every rank must call this with tensors of the same layouts.
-    """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if norm_type == 0:
-        raise ValueError(
-            "norm_type=0 counts the tensors with a nonzero element, which the local "
-            "shards of DTensors on several meshes or with plain tensors cannot count."
-        )
-    # An empty shard (uneven sharding) contributes the reduction's identity.
-    identity = float("inf") if norm_type < 0 else 0.0
-    by_groups: dict[tuple[dist.ProcessGroup, ...], list[Tensor]] = {}
-    for t in tensors:
-        groups = []
-        if isinstance(t, DTensor):
-            for dim, placement in enumerate(t.placements):
-                if isinstance(placement, (Shard, _StridedShard)):
-                    groups.append(t.device_mesh.get_group(dim))
-                elif not isinstance(placement, Replicate):
-                    raise ValueError(
-                        f"Cannot compute the norm of a DTensor with placement "
-                        f"{placement!r} from its local shard; redistribute it to "
-                        "Shard or Replicate first."
-                    )
-            t = t.to_local()
-            if t.numel() == 0:
-                t = t.new_full((1,), identity)
-        by_groups.setdefault(tuple(groups), []).append(t)
-    local = {
-        groups: _get_total_norm(local_tensors, norm_type, False, foreach)
-        for groups, local_tensors in by_groups.items()
-    }
-    # The p-th powers of the local norms, summed; or their max for inf, min for -inf.
-    power, op = norm_type, dist.ReduceOp.SUM
-    if norm_type in (float("inf"), -float("inf")):
-        power = 1.0
-        op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
-    norms = {
-        groups: norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(power)
-        for groups, norm in local.items()
-    }
-    # One all-reduce per process group, for the norms of all tensors sharded over it.
-    for group in dict.fromkeys(group for groups in norms for group in groups):
-        keys = [groups for groups in norms if group in groups]
-        flat = torch.stack([norms[groups] for groups in keys])
-        if op != dist.ReduceOp.SUM:
-            # MAX and MIN may drop a NaN: flag each NaN so that every rank keeps it.
-            flag = 1.0 if op == dist.ReduceOp.MAX else -1.0
-            flat = torch.cat([flat, flat.isnan().to(flat.dtype) * flag])
-        dist.all_reduce(flat, op=op, group=group)
-        if op != dist.ReduceOp.SUM:
-            flat, nan = flat.chunk(2)
-            flat = flat.masked_fill(nan != 0, float("nan"))
-        norms.update(zip(keys, flat.unbind(), strict=True))
-    return [
-        norm.pow(1.0 / power).to(local[groups].dtype) for groups, norm in norms.items()
-    ]
+    return len({t.device_mesh if isinstance(t, DTensor) else None for t in tensors}) > 1
 
 
 @_no_grad
@@ -167,12 +81,9 @@ def _get_total_norm(
             Default: ``None``
 
     Returns:
-        Total norm of the tensors (viewed as a single vector).
-
-    DTensors count as the tensors they are shards of. On several device meshes or
-    with plain tensors, the norms of their local shards are reduced over the process
-    groups they are sharded over (so every rank of those must call this), and the
-    result is a plain tensor; DTensors on one mesh give a DTensor.
+        Total norm of the tensors (viewed as a single vector): a DTensor for DTensors on
+        one device mesh, else a plain tensor. For DTensors the norm is a collective: call
+        it on every rank of their meshes.
     """
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
@@ -183,8 +94,9 @@ def _get_total_norm(
         return torch.tensor(0.0)
     first_device = tensors[0].device
     if _spans_meshes(tensors):
-        # The norms of the local shards, reduced over their meshes, stand for them
-        tensors = _norms_over_meshes(tensors, norm_type, foreach)
+        from torch.distributed.tensor._clip_grad import _local_norms
+
+        tensors = _local_norms(tensors, norm_type, foreach)
     grouped_tensors: dict[
         tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]
     ] = _group_tensors_by_device_and_dtype(  # pyrefly: ignore [bad-assignment]
@@ -262,13 +174,9 @@ def _clip_grads_with_norm_(
     if len(grads) == 0:
         return
     if _spans_meshes([*grads, total_norm]):
-        # DTensor ops cannot scale gradients on several meshes, or with plain ones,
-        # by one coefficient: scale the local shards by a plain one, the same on
-        # every rank.
-        DTensor = _dtensor_type()
-        if isinstance(total_norm, DTensor):
-            total_norm = total_norm.full_tensor()
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        from torch.distributed.tensor._clip_grad import _local_grads
+
+        grads, total_norm = _local_grads(grads, total_norm)
     grouped_grads: dict[
         tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]
     ] = _group_tensors_by_device_and_dtype([grads])  # type: ignore[assignment]
@@ -293,30 +201,6 @@ def _clip_grads_with_norm_(
                 g.mul_(clip_coef_clamped_device)
 
 
-def _grad_as_dtensor(param: Tensor) -> Tensor:
-    r"""Return ``param.grad``, as a DTensor if ``param`` is the local shard of one.
-
-    ``DistributedDataParallel`` and ``replicate`` with a ``device_mesh`` train each
-    DTensor parameter of a tensor parallel model as a plain parameter, its local
-    shard, which carries the DTensor's spec as ``_st_info``. Its gradient counts as
-    the DTensor gradient it is a shard of (a norm of the local shards alone differs
-    from rank to rank); the view is zero-copy.
-    """
-    spec = getattr(param, "_st_info", None)
-    if spec is None:
-        return param.grad
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        param.grad,
-        spec.mesh,
-        spec.placements,
-        run_check=False,
-        shape=spec.shape,
-        stride=spec.stride,
-    )
-
-
 @_no_grad
 def clip_grad_norm_(
     parameters: _tensor_or_tensors,
@@ -333,10 +217,6 @@ def clip_grad_norm_(
 
     This function is equivalent to :func:`torch.nn.utils.get_total_norm` followed by
     :func:`torch.nn.utils.clip_grads_with_norm_` with the ``total_norm`` returned by ``get_total_norm``.
-    The local shards of tensor parallel parameters that ``DistributedDataParallel``
-    or ``replicate`` with a ``device_mesh`` train carry their DTensor's spec as
-    ``_st_info``; their gradients count as the DTensor gradients they are shards of.
-    (Pass ``get_total_norm`` DTensor views of them, ``DTensor.from_local``.)
 
     Args:
         parameters (Iterable[Tensor] or Tensor): an iterable of Tensors or a
@@ -353,7 +233,9 @@ def clip_grad_norm_(
             Default: ``None``
 
     Returns:
-        Total norm of the parameter gradients (viewed as a single vector).
+        Total norm of the parameter gradients (viewed as a single vector): a DTensor for
+        gradients on one device mesh, else a plain tensor. For DTensor gradients the clip
+        is a collective: call it on every rank of their meshes.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -366,7 +248,7 @@ def clip_grad_norm_(
                 "`parameters` is an empty generator, no gradient clipping will occur.",
                 stacklevel=3,
             )
-    grads = [_grad_as_dtensor(p) for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = _get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     return total_norm
