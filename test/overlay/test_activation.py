@@ -131,9 +131,9 @@ class ActivationTest(unittest.TestCase):
             report["ddp_served_with_its_subclass"] = ddp_classes()
             torch_overlay.deactivate()
             report["ddp_stock_with_its_subclass"] = ddp_classes()
+            unshard = sys.modules["torch.distributed.fsdp._unshard_param_utils"]
             report["stock_after_deactivate"] = not is_ours(fsdp_api._unshard_params) and not any(
-                is_ours(f)
-                for f in (tp_fsdp._flatten_tensor, sys.modules["torch.distributed.fsdp._unshard_param_utils"]._unshard_params)
+                is_ours(f) for f in (tp_fsdp._flatten_tensor, unshard._unshard_params)
             )
             print(json.dumps(report))
             """
