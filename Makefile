@@ -47,7 +47,7 @@ lint: install
 	$(PY) -m ruff check torch_overlay tools test examples
 	$(PY) -m ruff format --check torch_overlay tools test examples
 	# The overlay modules are upstream files: PyTorch's formatting (ruff format, 88 columns)
-	$(PY) -m ruff format --check --isolated --line-length 88 torch_overlay/torch
+	$(PY) -m ruff format --check --isolated --line-length 88 torch_overlay/torch torch_overlay/bases
 	# The tests under test/distributed travel upstream in the patches: PyTorch's formatting too, and 88 columns
 	$(PY) -m ruff format --check --isolated --line-length 88 test/distributed
 	$(PY) -m ruff check --isolated --line-length 88 --select E,F,W test/distributed
@@ -80,9 +80,12 @@ check: install sources
 check-stack: install sources
 	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) $(CHECK_STACK_ARGS)
 
-# patches/NNNN-*.patch, patches/series (upstream) and patches/series-<version> (bases that need backports),
-# generated from the overlay and patches/series.toml on the newest base.
+# The per-base payloads (torch_overlay/bases/<version>/...: the payload's change transplanted onto each base's own
+# file, for the runtime files whose code differs between bases), then patches/NNNN-*.patch, patches/series
+# (upstream) and patches/series-<version> (bases that need backports), generated from the overlay and
+# patches/series.toml on the newest base. Run it after editing any file under torch_overlay/torch.
 patches: install sources
+	$(PY) -m tools.transplant $(if $(WHEEL),--wheel $(WHEEL))
 	$(PY) -m tools.patches $(if $(WHEEL),--wheel $(WHEEL))
 
 # Fork mode: the series applied in place to this environment's torch, and reverted byte for byte.

@@ -8,8 +8,10 @@ base file, else our change transplanted onto the base's file (a clean 3-way merg
 the base does not need; and where a patch gives its version of a file as a snapshot, when its prefix of the
 series does not give exactly that snapshot (a snapshot is refused for a file that differs between bases).
 A new module (no release ships it) must be created by the patch that claims it, as the overlay has it.
-It also fails when a module's ``code_sha256`` (the manifest's claim that every base's file has the same code,
-comments aside) is not the code digest of each base's pristine file.
+It also fails when a module's ``code_sha256`` (the manifest's claim that every base the payload serves has
+the same code, comments aside) is not the code digest of each such base's pristine file, and when a per-base
+payload (``torch_overlay/bases/...``) is missing, stale, or not exactly our change transplanted onto that
+base's file (:mod:`tools.transplant`).
 
     python -m tools.check [--wheel TORCH_WHEEL_OR_DIR ...]
 """
@@ -21,6 +23,7 @@ import sys
 import tokenize
 from pathlib import Path
 
+from tools import transplant
 from tools.patches import (
     PatchError,
     chain_problems,
@@ -160,7 +163,8 @@ def code_problems(project: Project, found: Pristine, base: Base) -> list[str]:
     except BaseSourceError:
         return []  # base_problems says so
     problems = []
-    for m in [m for m in project.manifest().modules if m.code_sha256 is not None]:
+    manifest = project.manifest()
+    for m in [m for m in manifest.modules if m.code_sha256 is not None and manifest.payload_version(m, base) is None]:
         try:
             digest = code_sha256(files[m.path])
         except (SyntaxError, tokenize.TokenError) as e:
@@ -181,7 +185,7 @@ def check(project: Project, sources: list[Path] = ()) -> list[str]:
         expected = generate(project, found)
     except (BaseSourceError, PatchError, SeriesError) as e:
         return [str(e)]
-    problems = drift(project, expected) + requirement_problems(project)
+    problems = drift(project, expected) + requirement_problems(project) + transplant.problems(project, found)
     for base in project.manifest().bases:
         problems += base_problems(project, found, base) + code_problems(project, found, base)
     # NOTE: several patches may edit one upstream test file: their diffs must follow each other, and the last

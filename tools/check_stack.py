@@ -152,17 +152,23 @@ def scratch_project(project: Project, dest: Path) -> Path:
         if (project.root / part).is_dir():
             shutil.copytree(project.root / part, dest / part, ignore=ignore)
     shutil.rmtree(dest / "torch_overlay" / "torch")
+    shutil.rmtree(dest / "torch_overlay" / "bases", ignore_errors=True)
     (dest / "patches").mkdir()
     shutil.copy2(project.series_toml, dest / "patches" / "series.toml")
     shutil.copy2(project.pyproject, dest / "pyproject.toml")
     return dest
 
 
-def serve(scratch: Path, files: dict[str, bytes]) -> None:
-    """Make ``files`` (manifest path -> content) the scratch project's payload."""
-    shutil.rmtree(scratch / "torch_overlay" / "torch", ignore_errors=True)
+def serve(scratch: Path, files: dict[str, bytes], base: Base) -> None:
+    """Make ``files`` (manifest path -> content) what the scratch project serves on ``base``: its payload, or
+    the base's own payload where the module has one (``base_payloads``)."""
+    project = Project(scratch)
+    manifest = project.manifest()
+    for stale in (scratch / "torch_overlay" / "torch", project.bases_dir):
+        shutil.rmtree(stale, ignore_errors=True)
     for path, content in files.items():
-        target = scratch / "torch_overlay" / path
+        version = manifest.payload_version(next(m for m in manifest.modules if m.path == path), base)
+        target = project.overlay_file(path) if version is None else project.base_payload_file(version, path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(content)
 
@@ -224,13 +230,13 @@ def prefixes(project: Project, base: Base, pristine_files: dict[str, bytes]) -> 
 
 def check_prefix(
     project: Project, scratch: Path, prefix: Prefix, pristine_files: dict[str, bytes], import_only: bool,
-    python: str = sys.executable,
+    base: Base, python: str = sys.executable,
 ) -> PrefixResult:  # fmt: skip
     manifest = project.manifest()
     entry, tree = prefix.entry, prefix.files
     assert tree is not None, "only a prefix that applied is checked"
     # NOTE: a new module (no release ships it) is served from the prefix that adds it on.
-    serve(scratch, {m.path: tree[m.path] for m in manifest.runtime_modules if m.path in tree})
+    serve(scratch, {m.path: tree[m.path] for m in manifest.runtime_modules if m.path in tree}, base)
     touched = [m for m in manifest.modules if tree.get(m.path) != pristine_files.get(m.path)]
     modules = tuple(m.name for m in touched if m.runtime)
     env = scratch_env(scratch)
@@ -285,7 +291,7 @@ def check_stack(
             if prefix.error is not None:
                 result = PrefixResult(prefix, prefix.error)
             else:
-                result = check_prefix(project, scratch, prefix, pristine_files, import_only)
+                result = check_prefix(project, scratch, prefix, pristine_files, import_only, base)
             results.append(result)
             report(result.line())
     return results

@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_overlay._manifest import Manifest, load_manifest, version_key
+from torch_overlay._manifest import BASES_DIR, Manifest, load_manifest, version_key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +50,15 @@ class Project:
     def overlay_file(self, path: str) -> Path:
         """Our version of upstream file ``path`` (``torch/...``)."""
         return self.root / "torch_overlay" / path
+
+    @property
+    def bases_dir(self) -> Path:
+        """The per-base payloads (``torch_overlay/bases/<version>/torch/...``, see :mod:`tools.transplant`)."""
+        return self.root / "torch_overlay" / BASES_DIR
+
+    def base_payload_file(self, version: str, path: str) -> Path:
+        """Our version of upstream file ``path`` for the bases that ship ``version``'s file."""
+        return self.bases_dir / version / path
 
     def overlay_files(self) -> dict[str, bytes]:
         return {m.path: self.overlay_file(m.path).read_bytes() for m in self.manifest().modules}

@@ -7,14 +7,12 @@ payload base's pristine file, and each file is reported clean or conflicted. The
   refused, naming the file, and nothing changes (the overlay would shadow upstream's module with its own);
 - a conflict: the merges, conflict markers included, are written to ``build/rebase-<version>/`` and nothing
   in the project changes;
-- a runtime file (one the overlay serves at run time) whose code the release changed upstream: the one payload
-  cannot serve both this release and the others, so the merges go to ``build/rebase-<version>/`` for review
-  and nothing changes (a change in comments only is fine: the module records the code digest the bases share,
-  its ``code_sha256``);
 - otherwise the release joins ``manifest.json`` (its files' sha256), the torch requirement in
-  ``pyproject.toml`` widens to cover it, a newer release's docstring-only files become the payload (the merge),
-  ``patches/`` is regenerated and the sync check runs on every base. If the check fails, every file is put
-  back as it was.
+  ``pyproject.toml`` widens to cover it, a newer release's files become the payload (the merge), and each
+  runtime file (one the overlay serves at run time) gets what serves every base: where a base's file differs
+  from the newest's in comments only, the code digest they share (``code_sha256``), and where it differs in
+  code, a payload of its own (``base_payloads``, written by :mod:`tools.transplant`). ``patches/`` is
+  regenerated and the sync check runs on every base. If the check fails, every file is put back as it was.
 
     python -m tools.rebase --upstream NEW_TORCH_WHEEL_OR_SITE_PACKAGES_DIR [--version X.Y.Z]
 """
@@ -30,6 +28,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools import transplant
 from tools.check import check
 from tools.patches import PatchError, generate, generated_files, write
 from tools.pristine import BaseSourceError, pristine, read_paths
@@ -37,7 +36,7 @@ from tools.project import Project, default_project, torch_requirement
 from torch_overlay import _git
 from torch_overlay._atomic import write_atomically
 from torch_overlay._guard import read_torch_version
-from torch_overlay._manifest import Manifest, code_sha256, load_manifest, public_version, sha256_hex, version_key
+from torch_overlay._manifest import code_sha256, load_manifest, public_version, sha256_hex, version_key
 
 
 class RebaseError(RuntimeError):
@@ -98,15 +97,31 @@ def write_for_review(project: Project, version: str, results: list[MergeResult])
     return out
 
 
-def comment_only_changes(manifest: Manifest, base: dict[str, bytes], theirs: dict[str, bytes]) -> dict[str, str]:
-    """The runtime files the release changed upstream in comments only: path -> the code digest they share."""
-    changed = {}
-    for m in [m for m in manifest.runtime_modules if not m.new]:
-        if theirs[m.path] != base[m.path]:
-            digest = _code_digest(theirs[m.path])
-            if digest is not None and digest == _code_digest(base[m.path]):
-                changed[m.path] = digest
-    return changed
+@dataclass(frozen=True)
+class Payloads:
+    """How a runtime module's payloads serve every base (see ``OverlayModule`` in ``torch_overlay._manifest``)."""
+
+    code_sha256: str | None
+    """The newest base's code digest, where another base's file differs from its file in comments only."""
+    base_payloads: tuple[str, ...]
+    """The bases whose file differs in code: one per distinct file, by the oldest base that ships it."""
+
+
+def plan_payloads(files: dict[str, dict[str, bytes]], path: str) -> Payloads:
+    """What serves runtime file ``path`` on every base, given each base's files (version -> path -> content)."""
+    versions = sorted(files, key=version_key)
+    newest = files[versions[-1]][path]
+    comments_only, own = False, {}
+    for version in versions[:-1]:
+        content = files[version][path]
+        if content == newest:
+            continue
+        digest = _code_digest(content)
+        if digest is not None and digest == _code_digest(newest):
+            comments_only = True
+        else:
+            own.setdefault(sha256_hex(content), version)
+    return Payloads(_code_digest(newest) if comments_only else None, tuple(own.values()))
 
 
 def _code_digest(content: bytes) -> str | None:
@@ -117,21 +132,25 @@ def _code_digest(content: bytes) -> str | None:
         return None
 
 
-def new_manifest_text(
-    project: Project, version: str, theirs: dict[str, bytes], code_digests: dict[str, str] | None = None
-) -> bytes:
+def new_manifest_text(project: Project, version: str, theirs: dict[str, bytes], plans: dict[str, Payloads]) -> bytes:
     """manifest.json with the release added, laid out as ever (re-adding a base gives it back byte for byte).
 
-    Each module in ``code_digests`` (path -> digest) gets its ``code_sha256`` as its last field, or keeps its own.
+    Each runtime module gets its ``code_sha256`` and ``base_payloads`` from ``plans`` (path -> payloads): kept in
+    place where it has them, added as its last fields where it gains them, dropped where it needs them no more.
     """
     raw = json.loads(project.manifest_path.read_text(encoding="utf-8"))
     sha256 = {m.path: sha256_hex(theirs[m.path]) if m.path in theirs else None for m in project.manifest().modules}
     raw["bases"].append({"version": version, "sha256": sha256})
     raw["bases"].sort(key=lambda b: version_key(b["version"]))
-    code_digests = code_digests or {}
     for module in raw["modules"]:
-        if module["path"] in code_digests:
-            module.setdefault("code_sha256", code_digests[module["path"]])
+        plan = plans.get(module["path"])
+        if plan is None:
+            continue
+        for key, value in (("code_sha256", plan.code_sha256), ("base_payloads", list(plan.base_payloads))):
+            if value:
+                module[key] = value
+            else:
+                module.pop(key, None)
     return (json.dumps(raw, indent=2) + "\n").encode("utf-8")
 
 
@@ -144,16 +163,10 @@ def new_pyproject_text(project: Project, requirement: str) -> bytes:
 
 
 def add_base(
-    project: Project,
-    upstream: Path,
-    version: str,
-    results: list[MergeResult],
-    sources: list[Path],
-    code_digests: dict[str, str] | None = None,
+    project: Project, upstream: Path, version: str, results: list[MergeResult], sources: list[Path]
 ) -> list[str]:
     """Write the new base into the project; on any failure (the sync check included) put every file back.
 
-    ``code_digests``: the runtime files the release changed in comments only (:func:`comment_only_changes`).
     Returns the sync check's problems (empty: added).
     """
     manifest = project.manifest()
@@ -161,16 +174,22 @@ def add_base(
     becomes_newest = version_key(version) > version_key(manifest.payload_base.version)
     touched = [project.manifest_path, project.pyproject, *generated_files(project.patches_dir)]
     touched += [project.overlay_file(m.path) for m in manifest.modules if not m.new]
+    touched += [p for p in project.bases_dir.rglob("*") if p.is_file()]
     saved = {path: path.read_bytes() for path in touched if path.is_file()}
     try:
-        write_atomically(project.manifest_path, new_manifest_text(project, version, theirs, code_digests))
+        found = pristine(project, [upstream, *sources])
+        files = {b.version: found.files(b) for b in manifest.bases} | {version: theirs}
+        plans = {m.path: plan_payloads(files, m.path) for m in manifest.runtime_modules if not m.new}
+        write_atomically(project.manifest_path, new_manifest_text(project, version, theirs, plans))
         write_atomically(project.pyproject, new_pyproject_text(project, torch_requirement(project.manifest())))
         if becomes_newest:  # the payload is the newest base's files plus our change
             for r in results:
                 write_atomically(project.overlay_file(r.path), r.merged)
-        write(project, generate(project, pristine(project, [upstream, *sources])))
+        found = pristine(project, [upstream, *sources])
+        transplant.write(project, transplant.transplants(project, found))
+        write(project, generate(project, found))
         problems = check(project, [upstream, *sources])
-    except (PatchError, BaseSourceError, OSError) as e:
+    except (PatchError, BaseSourceError, transplant.TransplantError, OSError) as e:
         problems = [str(e)]
     except BaseException:
         _restore(project, saved)
@@ -181,10 +200,11 @@ def add_base(
 
 
 def _restore(project: Project, saved: dict[Path, bytes]) -> None:
-    for stale in generated_files(project.patches_dir):
-        if stale not in saved:
-            stale.unlink(missing_ok=True)
+    for stale in [*generated_files(project.patches_dir), *project.bases_dir.rglob("*")]:
+        if stale.is_file() and stale not in saved:
+            stale.unlink()
     for path, content in saved.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, content)
 
 
@@ -223,21 +243,18 @@ def rebase(project: Project, upstream: Path, version: str | None = None, sources
         out = write_for_review(project, version, results)
         print(f"rebase: conflicts; nothing changed. The merges, with conflict markers, are in {out}", file=sys.stderr)
         return 1
-    comments_only = comment_only_changes(manifest, base, theirs)
-    changed = [m.path for m in manifest.runtime_modules if not m.new and theirs[m.path] != base[m.path]]
-    changed = [path for path in changed if path not in comments_only]
-    if changed:
-        out = write_for_review(project, version, results)
-        print(
-            f"rebase: torch {version} changed the code of {', '.join(changed)} upstream (not only comments), a "
-            "file the overlay serves at run time; one payload cannot serve it and the other bases "
-            f"({', '.join(manifest.versions)}). Nothing changed. The clean merges are in {out} for review.",
-            file=sys.stderr,
-        )
-        return 1
-    for path, digest in comments_only.items():
-        print(f"{path}: changed upstream in comments only; the one payload serves it (code_sha256 {digest})")
-    problems = add_base(project, upstream, version, results, list(sources), comments_only)
+    for m in manifest.runtime_modules:
+        if m.new or theirs[m.path] == base[m.path]:
+            continue
+        digest = _code_digest(theirs[m.path])
+        if digest is not None and digest == _code_digest(base[m.path]):
+            print(f"{m.path}: changed upstream in comments only; the one payload serves it (code_sha256 {digest})")
+        else:
+            print(
+                f"{m.path}: changed upstream in code; each base with another file of it than the newest base's gets "
+                "its own payload (torch_overlay/bases/<version>/..., our change transplanted)"
+            )
+    problems = add_base(project, upstream, version, results, list(sources))
     for problem in problems:
         print(f"rebase: sync check failed: {problem}", file=sys.stderr)
     if problems:

@@ -17,15 +17,16 @@ import warnings
 from torch_overlay._manifest import load_manifest
 from torch_overlay._startup import ENV_VAR, disabled_by_env
 
-__all__ = ["activate", "BaseMismatchError", "deactivate", "OverlayStatus", "status"]
+__all__ = ["activate", "BaseMismatchError", "deactivate", "OverlayStatus", "status", "SubclassedError"]
 
 
 def activate() -> None:
     """Activate the overlay in this process; idempotent and thread-safe.
 
-    Raises :class:`BaseMismatchError`, having changed nothing, when the installed torch is not the base
-    recorded in the manifest. ``TORCH_OVERLAY=0`` in the environment wins: it leaves stock torch in place
-    (with a warning), so one variable is enough to rule the overlay out while debugging.
+    Raises, having changed nothing, :class:`BaseMismatchError` when the installed torch is not the base recorded
+    in the manifest, and :class:`SubclassedError` when a class the overlay serves (``DistributedDataParallel``)
+    was already subclassed outside torch. ``TORCH_OVERLAY=0`` in the environment wins: it leaves stock torch in
+    place (with a warning), so one variable is enough to rule the overlay out while debugging.
     """
     if disabled_by_env():
         warnings.warn(f"torch_overlay.activate() ignored: {ENV_VAR}=0 is set", RuntimeWarning, stacklevel=2)
@@ -36,7 +37,11 @@ def activate() -> None:
 
 
 def deactivate() -> None:
-    """Restore every stock module object and binding in this process; idempotent and thread-safe."""
+    """Restore every stock module object and binding in this process; idempotent and thread-safe.
+
+    Raises :class:`SubclassedError`, having changed nothing, when a class the overlay serves was subclassed
+    outside torch while it was active.
+    """
     from torch_overlay._loader import deactivate as deactivate_in_process
 
     deactivate_in_process()
@@ -65,6 +70,10 @@ def __getattr__(name: str) -> object:
         from torch_overlay._guard import BaseMismatchError
 
         return BaseMismatchError
+    if name == "SubclassedError":
+        from torch_overlay._loader import SubclassedError
+
+        return SubclassedError
     if name in ("OverlayStatus", "status"):
         from torch_overlay import _status
 

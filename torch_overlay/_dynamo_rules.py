@@ -41,11 +41,12 @@ def path_lists(trace_rules: types.ModuleType) -> dict[str, set[str]]:
 
 
 def upstream_and_overlay_paths() -> list[tuple[str, str]]:
-    """(the upstream file's path, our file's path) for each module the overlay serves."""
+    """(the upstream file's path, our file's path) for each file the overlay may serve (every base's)."""
     site_dir = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)))
     return [
-        (os.path.join(site_dir, *name.split(".")) + ".py", overlay_file)
-        for name, overlay_file in load_manifest().overlay_files().items()
+        (os.path.join(site_dir, *m.path.split("/")), payload)
+        for m in load_manifest().runtime_modules
+        for payload in m.payload_files
     ]
 
 

@@ -14,19 +14,23 @@ import types
 import warnings
 from importlib.machinery import ModuleSpec
 
-from torch_overlay._manifest import load_manifest
+from torch_overlay._manifest import Base, load_manifest
 
 
 class OverlayFinder:
     """A ``sys.meta_path`` finder: our file for each manifest module, the normal finders for everything else.
 
-    With ``guard_on_first_use`` (the start-up hook, which must not touch torch), the base is verified at the
-    first import of a manifest module instead of at activation; on a mismatch the finder stands down with
-    one warning, and the process runs stock torch.
+    Our file is the one for the installed base (:meth:`~torch_overlay._manifest.Manifest.payload_file`), so the
+    finder serves only once the base is known: ``base``, checked by the caller, or with ``guard_on_first_use``
+    (the start-up hook, which must not touch torch) the base found at the first import of a manifest module; on
+    a mismatch the finder stands down with one warning, and the process runs stock torch.
     """
 
-    def __init__(self, guard_on_first_use: bool) -> None:
-        self._files = load_manifest().overlay_files()
+    def __init__(self, guard_on_first_use: bool, base: Base | None = None) -> None:
+        assert guard_on_first_use == (base is None), "a finder serves a checked base, or checks at first use"
+        self._manifest = load_manifest()
+        self._names = frozenset(m.name for m in self._manifest.runtime_modules)
+        self._files = self._manifest.overlay_files(base) if base is not None else {}
         self._guard_pending = guard_on_first_use
         self._guard_lock = threading.Lock()
         self.disabled_reason: str | None = None
@@ -35,7 +39,12 @@ class OverlayFinder:
     @property
     def module_names(self) -> tuple[str, ...]:
         """The modules this finder serves."""
-        return tuple(self._files)
+        return tuple(m.name for m in self._manifest.runtime_modules)
+
+    def file_for(self, name: str) -> str:
+        """The file served for manifest module ``name``; only once the base is checked and matched."""
+        assert self.verify() is None, "the finder stood down"
+        return self._files[name]
 
     @property
     def base_checked(self) -> bool:
@@ -51,7 +60,9 @@ class OverlayFinder:
             with self._guard_lock:
                 if self._guard_pending:
                     try:
-                        self.disabled_reason, self.base_warning = first_use_check()
+                        self.disabled_reason, self.base_warning, base = first_use_check()
+                        if base is not None:
+                            self._files = self._manifest.overlay_files(base)
                     except Exception as e:  # the user's import must go on, on stock torch
                         self.disabled_reason = f"the base check failed: {e!r}"
                     self._guard_pending = False
@@ -74,23 +85,23 @@ class OverlayFinder:
             from torch_overlay._dynamo_rules import registering_spec
 
             return registering_spec(fullname, path)
-        overlay_file = self._files.get(fullname)
-        if overlay_file is None or self.verify() is not None:
+        if fullname not in self._names or self.verify() is not None:
             return None
-        return overlay_spec(fullname, overlay_file)
+        return overlay_spec(fullname, self._files[fullname])
 
 
-def first_use_check() -> tuple[str | None, str | None]:
-    """The base check of a finder installed by the start-up hook: (why it must stand down, a warning)."""
+def first_use_check() -> tuple[str | None, str | None, Base | None]:
+    """The base check of a finder installed by the start-up hook: (why it must stand down, a warning, the base
+    it serves)."""
     from torch_overlay import _fork
     from torch_overlay._guard import check_base
 
     check = check_base()
     if check.ok:
-        return None, check.warning
+        return None, check.warning, check.matched
     if _fork.active_state(check.torch_dir):
-        return "fork mode is active (the series is applied in place)", None
-    return "; ".join(check.problems()), None
+        return "fork mode is active (the series is applied in place)", None, None
+    return "; ".join(check.problems()), None, None
 
 
 def overlay_spec(name: str, overlay_file: str) -> ModuleSpec | None:

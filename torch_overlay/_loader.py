@@ -14,6 +14,12 @@ which stock torch does not have, is removed) and every binding is pointed back. 
 never mutated, so their functions keep their identity. References held outside module globals (a hook already
 registered on a model, a closure) keep whatever they captured; that is why activation belongs before models
 are built.
+
+A class defined in a swapped module is a new class after the swap, and a subclass keeps the base it was
+defined on. Torch's own subclasses (``torch.nn.parallel.DistributedDataParallelCPU``) are handled like the
+manifest modules: their module is executed afresh, from torch's file, after the swap, so it subclasses the
+class now served. A subclass defined anywhere else (the user's) cannot be redefined: activation and
+deactivation then refuse, having changed nothing (:class:`SubclassedError`).
 """
 
 from __future__ import annotations
@@ -56,14 +62,60 @@ class ProcessState:
     modules: tuple[tuple[str, ModuleState], ...]
 
 
+class SubclassedError(RuntimeError):
+    """A class the swap would replace has a subclass outside torch; nothing was changed."""
+
+
 _lock = threading.RLock()
 _originals: dict[str, types.ModuleType] = {}
 """Stock module objects that were imported before activation, restored as they are on deactivation."""
 
 
 def is_overlay_module(module: types.ModuleType, overlay: OverlayModule) -> bool:
+    """Whether ``module`` was executed from one of our files (the payload, or a base's own payload)."""
     origin = getattr(getattr(module, "__spec__", None), "origin", None)
-    return origin is not None and os.path.realpath(origin) == os.path.realpath(overlay.overlay_file)
+    ours = {os.path.realpath(f) for f in overlay.payload_files}
+    return origin is not None and os.path.realpath(origin) in ours
+
+
+def dependents(modules: list[types.ModuleType], manifest: Manifest, activating: bool) -> dict[str, list[str]]:
+    """For each of ``modules``, the torch modules to execute afresh right after swapping it: those defining, at
+    module level, a subclass of one of its classes (outside the manifest modules).
+
+    Raises :class:`SubclassedError` for any other subclass (the user's): it would keep the class it was defined
+    on, the one being swapped out.
+    """
+    names = {m.name for m in manifest.runtime_modules}
+    found: dict[str, list[str]] = {}
+    for module in modules:
+        found[module.__name__] = owners = []
+        classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+        seen: set[type] = set()
+        while classes:
+            cls = classes.pop()
+            for sub in type.__subclasses__(cls):
+                if sub in seen or sub.__module__ in names:
+                    continue
+                seen.add(sub)
+                classes.append(sub)
+                owner = sub.__module__ or ""
+                torch_owned = owner == "torch" or owner.startswith("torch.")
+                if torch_owned and getattr(sys.modules.get(owner), sub.__qualname__, None) is sub:
+                    owners += [owner] if owner not in owners else []
+                    continue
+                fix = (
+                    "Activate before that class is defined: `python -m torch_overlay.activate` (every process), "
+                    "or torch_overlay.activate() before importing it."
+                    if activating
+                    else "Leave the overlay active, or deactivate it before that class is defined."
+                )
+                raise SubclassedError(
+                    f"torch_overlay: refusing to {'activate' if activating else 'deactivate'} the overlay: "
+                    f"{owner}.{sub.__qualname__} subclasses {cls.__module__}.{cls.__qualname__}, which the overlay "
+                    f"serves, and would keep the {'stock' if activating else 'overlay'} class; nothing was "
+                    f"changed. {fix}"
+                )
+    return found
 
 
 def activate(*, guard_on_first_use: bool = False) -> None:
@@ -83,26 +135,35 @@ def activate(*, guard_on_first_use: bool = False) -> None:
             return
         manifest = load_manifest()
         check_now = not guard_on_first_use or any(m.name in sys.modules for m in manifest.runtime_modules)
+        base = None
         if check_now:
             refusal = _fork.refusal("activate the overlay")
             if refusal:
                 raise BaseMismatchError(refusal)
             check = require_base("activate the overlay", manifest)
+            base = check.matched
             if check.warning:
                 warnings.warn(check.warning, RuntimeWarning, stacklevel=3)
+        stock = [
+            sys.modules[m.name]
+            for m in manifest.runtime_modules
+            if m.name in sys.modules and not is_overlay_module(sys.modules[m.name], m)
+        ]
+        then = dependents(stock, manifest, activating=True)
         # NOTE: the finder goes in first, so that a manifest module first imported while the others are
-        # swapped (by an overlay module, or another thread) is served from the overlay too.
-        finder = OverlayFinder(guard_on_first_use=not check_now)
+        # swapped (by an overlay module, or another thread) is served from the overlay too. The stock modules
+        # of torch that are swapped for fresh ones (``then``) are kept as they are, like the manifest ones.
+        finder = OverlayFinder(guard_on_first_use=not check_now, base=base)
         sys.meta_path.insert(0, finder)
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
+        keep = {id(sys.modules[name]) for names in then.values() for name in names}
         try:
-            for overlay in manifest.runtime_modules:
-                current = sys.modules.get(overlay.name)
-                if current is None or is_overlay_module(current, overlay):
-                    continue
-                replacement = _execute(overlay.name, overlay_spec(overlay.name, overlay.overlay_file))
-                _swap(overlay.name, current, replacement, manifest)
-                done.append((overlay.name, current, replacement))
+            for current in stock:
+                name = current.__name__
+                replacement = _execute(name, overlay_spec(name, finder.file_for(name)))
+                _swap(name, current, replacement, manifest, keep)
+                done.append((name, current, replacement))
+                done += _reexecute(then[name], manifest, keep)
         except BaseException:
             for name, current, replacement in reversed(done):
                 _swap(name, replacement, current, manifest)
@@ -120,22 +181,29 @@ def deactivate() -> None:
         if finder is None:
             return
         manifest = load_manifest()
+        ours = [
+            sys.modules[m.name]
+            for m in manifest.runtime_modules
+            if m.name in sys.modules and is_overlay_module(sys.modules[m.name], m)
+        ]
+        then = dependents(ours, manifest, activating=False)
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
         removed: list[tuple[str, types.ModuleType]] = []
         try:
             # NOTE: forward (dependency) order, so that a stock module executed afresh here imports the
-            # stock versions of the manifest modules before it, never the overlay ones.
-            for overlay in manifest.runtime_modules:
-                current = sys.modules.get(overlay.name)
-                if current is None or not is_overlay_module(current, overlay):
+            # stock versions of the manifest modules before it, never the overlay ones (and torch's modules
+            # that subclass a module's classes right after it, for the same reason).
+            new_modules = {m.name for m in manifest.runtime_modules if m.new}
+            for current in ours:
+                name = current.__name__
+                if name in new_modules:  # no stock module: stock torch has none
+                    _remove(name, current)
+                    removed.append((name, current))
                     continue
-                if overlay.new:  # no stock module: stock torch has none
-                    _remove(overlay.name, current)
-                    removed.append((overlay.name, current))
-                    continue
-                original = _originals.get(overlay.name) or _execute(overlay.name, _stock_spec(overlay.name))
-                _swap(overlay.name, current, original, manifest)
-                done.append((overlay.name, current, original))
+                original = _originals.get(name) or _execute(name, _stock_spec(name))
+                _swap(name, current, original, manifest)
+                done.append((name, current, original))
+                done += _reexecute(then[name], manifest)
         except BaseException:
             for name, current in removed:
                 sys.modules[name] = current
@@ -191,16 +259,47 @@ def _remove(name: str, module: types.ModuleType) -> None:
         delattr(parent, child)
 
 
-def _swap(name: str, old: types.ModuleType, new: types.ModuleType, manifest: Manifest) -> None:
+def _reexecute(
+    names: list[str], manifest: Manifest, keep: set[int] = frozenset()
+) -> list[tuple[str, types.ModuleType, types.ModuleType]]:
+    """Swap each torch module in ``names`` for its original (on deactivation) or a fresh stock execution.
+
+    A fresh package gets the submodule attributes of the one it replaces (the import system set those when
+    each submodule was first imported), each bound to the submodule now in ``sys.modules``.
+    """
+    done = []
+    try:
+        for name in names:
+            current = sys.modules[name]
+            new = _originals.get(name)
+            if new is None:
+                new = _execute(name, _stock_spec(name))
+                for attr in set(vars(current)) - set(vars(new)):
+                    was = getattr(current, attr)
+                    if isinstance(was, types.ModuleType) and was.__name__ == f"{name}.{attr}":
+                        setattr(new, attr, sys.modules.get(was.__name__, was))
+            _swap(name, current, new, manifest, keep)
+            done.append((name, current, new))
+    except BaseException:
+        for name, current, new in reversed(done):
+            _swap(name, new, current, manifest)
+        raise
+    return done
+
+
+def _swap(
+    name: str, old: types.ModuleType, new: types.ModuleType, manifest: Manifest, keep: set[int] = frozenset()
+) -> None:
     """Make ``new`` the module ``name`` everywhere ``old`` was: sys.modules, its parent, and every global.
 
     A global is rebound when it is ``old`` itself or a function/class defined in ``old`` that ``new`` also
-    defines. The manifest modules' own namespaces are left alone so that original objects stay pristine.
+    defines. The manifest modules' own namespaces are left alone so that original objects stay pristine, and
+    so are the modules in ``keep`` (by id: torch's modules that are swapped next, see :func:`dependents`).
     """
     sys.modules[name] = new
     parent_name, _, child = name.rpartition(".")
     parent = sys.modules.get(parent_name)
-    if parent is not None and getattr(parent, child, None) is old:
+    if parent is not None and id(parent) not in keep and getattr(parent, child, None) is old:
         setattr(parent, child, new)
     replacements: dict[int, tuple[object, object]] = {id(old): (old, new)}
     new_globals = vars(new)
@@ -211,7 +310,7 @@ def _swap(name: str, old: types.ModuleType, new: types.ModuleType, manifest: Man
             and attr in new_globals
         ):
             replacements[id(value)] = (value, new_globals[attr])
-    untouchable = {id(old), id(new)} | {id(m) for m in _originals.values()}
+    untouchable = {id(old), id(new)} | {id(m) for m in _originals.values()} | set(keep)
     untouchable |= {id(sys.modules.get(m.name)) for m in manifest.runtime_modules}
     for module in list(sys.modules.values()):
         if not isinstance(module, types.ModuleType) or id(module) in untouchable:

@@ -18,15 +18,23 @@ import os
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 MANIFEST_PATH = os.path.join(PACKAGE_DIR, "manifest.json")
+BASES_DIR = "bases"
+"""The per-base payloads, inside this package: ``bases/<version>/torch/...``."""
 
 
 class OverlayModule:
     """One upstream module that the overlay replaces as a whole file, or a new module it adds."""
 
-    __slots__ = ("name", "path", "runtime", "code_sha256", "new")
+    __slots__ = ("name", "path", "runtime", "code_sha256", "new", "base_payloads")
 
     def __init__(
-        self, name: str, path: str, runtime: bool = True, code_sha256: str | None = None, new: bool = False
+        self,
+        name: str,
+        path: str,
+        runtime: bool = True,
+        code_sha256: str | None = None,
+        new: bool = False,
+        base_payloads: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         """Dotted module name, e.g. ``torch.distributed.fsdp._unshard_param_utils``."""
@@ -41,12 +49,17 @@ class OverlayModule:
         """The claim that every base's upstream file of this module has this :func:`code_sha256` (the same code,
         comments aside), or None. It lets the one payload serve a runtime file whose bases differ only in
         comments; the guard still checks each base's exact sha256, and the sync check (``tools.check``) verifies
-        the claim on every base's pristine file."""
+        the claim on every base's pristine file (those served by the payload, see ``base_payloads``)."""
         self.new = new
         """A module with no upstream counterpart (a private helper a replaced file imports): no base ships the
         file, which every base records as ``null`` (absent), so the guard refuses a torch that has one. The
         runtime overlay serves it like the others, fork mode creates it (and removes it on revert), and the
         series adds it as a new file."""
+        self.base_payloads = base_payloads
+        """The bases whose upstream file of this runtime module differs in code from the payload base's: each
+        has its own payload, our change transplanted onto its file (``tools.transplant``), at
+        :meth:`base_payload_file`. One per distinct upstream file, named by the oldest base that ships it; every
+        base with that file is served it."""
 
     def __repr__(self) -> str:
         return f"OverlayModule({self.name!r}, runtime={self.runtime}{', new=True' if self.new else ''})"
@@ -55,6 +68,15 @@ class OverlayModule:
     def overlay_file(self) -> str:
         """Our version of the file, inside this package (``torch_overlay/torch/...``)."""
         return os.path.join(PACKAGE_DIR, *self.path.split("/"))
+
+    def base_payload_file(self, version: str) -> str:
+        """The payload of the bases that ship ``version``'s upstream file (one of :attr:`base_payloads`)."""
+        return os.path.join(PACKAGE_DIR, BASES_DIR, version, *self.path.split("/"))
+
+    @property
+    def payload_files(self) -> tuple[str, ...]:
+        """Every file this package may serve for the module: :attr:`overlay_file`, then the per-base ones."""
+        return (self.overlay_file, *(self.base_payload_file(v) for v in self.base_payloads))
 
     def upstream_file(self, torch_dir: os.PathLike[str] | str) -> str:
         """The upstream file inside an installed ``torch`` package directory."""
@@ -121,9 +143,21 @@ class Manifest:
         """The bases whose every replaced file has the sha256 in ``found`` (path -> sha256), newest first."""
         return [b for b in reversed(self.bases) if all(found.get(p) == h for p, h in b.sha256.items())]
 
-    def overlay_files(self) -> dict[str, str]:
-        """Module name -> our file for the modules served at run time, in dependency order."""
-        return {m.name: m.overlay_file for m in self.runtime_modules}
+    def payload_version(self, module: OverlayModule, base: Base) -> str | None:
+        """Which of the module's :attr:`~OverlayModule.base_payloads` serves ``base``; None: the payload."""
+        sha = base.sha256.get(module.path)
+        if sha == self.payload_base.sha256.get(module.path):
+            return None
+        return next((v for v in module.base_payloads if self.base(v).sha256.get(module.path) == sha), None)
+
+    def payload_file(self, module: OverlayModule, base: Base) -> str:
+        """The file that serves ``module`` on ``base``."""
+        version = self.payload_version(module, base)
+        return module.overlay_file if version is None else module.base_payload_file(version)
+
+    def overlay_files(self, base: Base) -> dict[str, str]:
+        """Module name -> our file for ``base``, for the modules served at run time, in dependency order."""
+        return {m.name: self.payload_file(m, base) for m in self.runtime_modules}
 
 
 _cache: dict[tuple[str, int, int], Manifest] = {}
@@ -147,7 +181,14 @@ def _read(path: str) -> Manifest:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
         modules = tuple(
-            OverlayModule(m["name"], m["path"], m.get("runtime", True), m.get("code_sha256"), m.get("new", False))
+            OverlayModule(
+                m["name"],
+                m["path"],
+                m.get("runtime", True),
+                m.get("code_sha256"),
+                m.get("new", False),
+                tuple(m.get("base_payloads", ())),
+            )
             for m in raw["modules"]
         )
         bases = tuple(Base(b["version"], dict(b["sha256"])) for b in raw["bases"])
@@ -174,20 +215,52 @@ def _read(path: str) -> Manifest:
             if m.path in b.sha256 and (b.sha256[m.path] is None) != m.new:
                 what = "null (a new module: no release ships it)" if m.new else "its upstream file's sha256"
                 problems.append(f"base {b.version}: {m.path} must be recorded as {what}")
-        # NOTE: there is one payload: a runtime file may only be served on a base whose upstream file is the
-        # one the payload was made from, or differs from it only in comments (the module's code_sha256, which
-        # the sync check verifies). Bases whose docstring-only files differ are fine (fork mode patches).
+    if not problems:
         for m in modules:
-            differs = bases and b.sha256.get(m.path) != bases[-1].sha256.get(m.path)
-            if m.runtime and differs and m.code_sha256 is None:
-                problems.append(
-                    f"base {b.version}: runtime file {m.path} differs from the payload base {bases[-1].version}'s; "
-                    "one payload cannot serve both unless they differ only in comments: then record their code "
-                    'digest as the module\'s "code_sha256" (`make rebase` does; `make check` verifies it)'
-                )
+            problems += _payload_problems(manifest, m)
     if problems:
         raise RuntimeError(f"torch_overlay: invalid manifest {path}: " + "; ".join(problems))
     return manifest
+
+
+def _payload_problems(manifest: Manifest, m: OverlayModule) -> list[str]:
+    """Where a module's payloads do not serve every base: one line each (empty when they do).
+
+    NOTE: a runtime file is served on a base from the payload when the base's upstream file is the one the
+    payload was made from, or differs from it only in comments (the module's code_sha256, which the sync check
+    verifies); otherwise from the base's own payload (``base_payloads``). Docstring-only files need neither: fork
+    mode and the series patch each base's own file.
+    """
+    problems = []
+    newest = manifest.payload_base
+    own = {}
+    for version in m.base_payloads:
+        base = manifest.base(version)
+        if base is None or base is newest:
+            problems.append(f"module {m.name}: base_payloads lists {version}, not a base older than {newest.version}")
+            continue
+        sha = base.sha256[m.path]
+        oldest = next(b for b in manifest.bases if b.sha256[m.path] == sha)
+        if sha == newest.sha256[m.path] or sha in own or oldest is not base:
+            problems.append(
+                f"module {m.name}: base_payloads lists {version}, but the payload of torch {oldest.version}'s file "
+                "is the payload itself, or is listed under another version; list each distinct file once, by the "
+                "oldest base that ships it"
+            )
+        own[sha] = version
+    if not m.runtime:
+        if m.base_payloads:
+            problems.append(f"module {m.name}: base_payloads for a docstring-only module (not served at run time)")
+        return problems
+    for b in manifest.bases:
+        if b.sha256[m.path] != newest.sha256[m.path] and b.sha256[m.path] not in own and m.code_sha256 is None:
+            problems.append(
+                f"base {b.version}: runtime file {m.path} differs from the payload base {newest.version}'s and has "
+                'no payload of its own: list the base in the module\'s "base_payloads" (`make rebase` does, '
+                "`make patches` writes the file; `make check` verifies it), or, if they differ only in comments, "
+                'record their code digest as its "code_sha256"'
+            )
+    return problems
 
 
 def public_version(version: str) -> str:

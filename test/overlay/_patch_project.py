@@ -102,10 +102,11 @@ def manifest_text(
     bases: dict[str, dict[str, str]],
     code_sha256: dict[str, str] | None = None,
     runtime: tuple[str, ...] = ("torch/fake/beta.py",),
+    base_payloads: dict[str, list[str]] | None = None,
 ) -> str:
     """manifest.json for the fake modules and these bases (version -> files), oldest first; ``code_sha256``:
     path -> the module's ``code_sha256``, for the modules that have one; ``runtime``: the paths served at run
-    time."""
+    time; ``base_payloads``: path -> the bases with their own payload of it."""
     manifest = {
         "package": "torch",
         "bases": [
@@ -121,6 +122,8 @@ def manifest_text(
     for module in manifest["modules"]:
         if module["path"] in (code_sha256 or {}):
             module["code_sha256"] = code_sha256[module["path"]]
+        if module["path"] in (base_payloads or {}):
+            module["base_payloads"] = base_payloads[module["path"]]
     return json.dumps(manifest, indent=2) + "\n"
 
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 
 def observe() -> dict:
-    """Whether the modules served are ours, judged by behaviour: the offload warning's text."""
+    """Whether the modules served are ours, judged by behaviour (the offload warning's text), and where DDP's
+    class comes from."""
     torch_imported_at_start = "torch" in sys.modules
     from torch.distributed.fsdp import _unshard_param_utils
 
@@ -23,7 +24,10 @@ def observe() -> dict:
             state, writeback=False, rank0_only=False, offload_to_cpu=True, with_grads=False
         )
     text = " ".join(str(w.message) for w in caught)
+    parallel = sys.modules["torch.nn.parallel"]
     return {
+        "ddp_file": parallel.distributed.__file__,
+        "ddp_subclass_on_it": parallel.DistributedDataParallelCPU.__bases__ == (parallel.DistributedDataParallel,),
         "torch_imported_at_start": torch_imported_at_start,
         "warning_fixed": "may result in the unsharded" in text,
         "warning_stock": "may result in theunsharded" in text,

@@ -68,11 +68,11 @@ class ActivationTest(unittest.TestCase):
                 t.start()
             for t in threads:
                 t.join()
-            swapped = list(sys.modules[n] for n in NAMES)
+            swapped = {n: sys.modules[n] for n in NAMES}
             torch_overlay.activate()
             report = {
                 "finders_added": len(sys.meta_path) - len(meta_path),
-                "second_activate_noop": all(sys.modules[n] is m for n, m in zip(NAMES, swapped)),
+                "second_activate_noop": all(sys.modules[n] is m for n, m in swapped.items()),
                 "importers_rebound": [
                     is_ours(fsdp_api._unshard_params),
                     is_ours(fsdp_api._unshard_params_for_summon),
@@ -80,7 +80,10 @@ class ActivationTest(unittest.TestCase):
                     is_ours(tp_fsdp._flatten_tensor),
                     is_ours(sys.modules["torch.distributed.tensor.parallel.ddp"]._flatten_tensor),
                 ],
-                "parent_attribute": sys.modules["torch.distributed.fsdp"]._unshard_param_utils is swapped[2],
+                "parent_attribute": (
+                    sys.modules["torch.distributed.fsdp"]._unshard_param_utils
+                    is swapped["torch.distributed.fsdp._unshard_param_utils"]
+                ),
                 "status_active": torch_overlay.status().process.active,
                 "new_modules_served": [
                     importlib.import_module(n).__file__.startswith(PACKAGE_DIR) for n in NEW
@@ -136,15 +139,31 @@ class ActivationTest(unittest.TestCase):
             import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_api
             import torch.distributed.tensor.parallel.fsdp as tp_fsdp
             report["served_lazily"] = is_ours(fsdp_api._unshard_params) and is_ours(tp_fsdp._flatten_tensor)
+
+            def ddp_classes():
+                parallel = sys.modules["torch.nn.parallel"]
+                ddp = parallel.DistributedDataParallel
+                return is_ours(ddp.__init__), parallel.DistributedDataParallelCPU.__bases__ == (ddp,)
+
+            report["ddp_served_with_its_subclass"] = ddp_classes()
             torch_overlay.deactivate()
+            report["ddp_stock_with_its_subclass"] = ddp_classes()
+            unshard = sys.modules["torch.distributed.fsdp._unshard_param_utils"]
             report["stock_after_deactivate"] = not is_ours(fsdp_api._unshard_params) and not any(
-                is_ours(f) for f in (tp_fsdp._flatten_tensor, sys.modules[NAMES[2]]._unshard_params)
+                is_ours(f) for f in (tp_fsdp._flatten_tensor, unshard._unshard_params)
             )
             print(json.dumps(report))
             """
         )
         self.assertEqual(
-            report, {"torch_imported_by_activate": False, "served_lazily": True, "stock_after_deactivate": True}
+            report,
+            {
+                "torch_imported_by_activate": False,
+                "served_lazily": True,
+                "ddp_served_with_its_subclass": [True, True],
+                "stock_after_deactivate": True,
+                "ddp_stock_with_its_subclass": [False, True],
+            },
         )
 
     def test_models_built_before_activation_keep_their_classes(self):
@@ -167,10 +186,111 @@ class ActivationTest(unittest.TestCase):
                     "torch.distributed._composable.replicate",  # imported by torch.distributed.fsdp
                     "torch.distributed.fsdp._unshard_param_utils",
                     "torch.distributed.tensor.parallel._data_parallel_utils",
+                    "torch.nn.parallel.distributed",  # imported by torch
                     "torch.nn.utils.clip_grad",  # imported by torch
                 ],
             },
         )
+
+    def test_ddp_after_import_is_served_with_torch_subclass_and_restored(self):
+        """DDP's class is served anew: torch's own subclass (DistributedDataParallelCPU) is defined again on it,
+        and every importer sees it; deactivate() puts back the very objects that were there."""
+        report = run_scenario(
+            """
+            from torch_overlay._guard import check_base
+            import torch.distributed._composable.replicate  # noqa: F401
+
+            def ddp_objects():
+                parallel = sys.modules["torch.nn.parallel"]
+                return {
+                    "package": parallel,
+                    "module": sys.modules["torch.nn.parallel.distributed"],
+                    "class": parallel.distributed.DistributedDataParallel,
+                    "torch.nn.parallel.DistributedDataParallel": parallel.DistributedDataParallel,
+                    "DistributedDataParallelCPU": parallel.DistributedDataParallelCPU,
+                    "replicate's": sys.modules["torch.distributed._composable.replicate"].DistributedDataParallel,
+                }
+
+            before = ddp_objects()
+            torch_overlay.activate()
+            during = ddp_objects()
+            manifest = load_manifest()
+            served = manifest.payload_file(manifest.module("torch.nn.parallel.distributed"), check_base().matched)
+            report = {
+                "served_for_this_base": during["module"].__file__ == served,
+                "all_new": [k for k in before if during[k] is before[k]],
+                "one_class": [k for k in during if "DistributedDataParallel" in k or k == "replicate's"
+                              if during[k] is not during["class"]],
+                "subclass_on_served": during["DistributedDataParallelCPU"].__bases__ == (during["class"],),
+                "stock_package_untouched": before["package"].DistributedDataParallel is before["class"],
+            }
+            torch_overlay.deactivate()
+            after = ddp_objects()
+            report["restored"] = [k for k in before if after[k] is not before[k]]
+            print(json.dumps(report))
+            """
+        )
+        self.assertEqual(
+            report,
+            {
+                "served_for_this_base": True,
+                "all_new": [],
+                "one_class": ["DistributedDataParallelCPU"],  # the subclass, not the class itself
+                "subclass_on_served": True,
+                "stock_package_untouched": True,
+                "restored": [],
+            },
+        )
+
+    def test_a_subclass_of_ddp_outside_torch_refuses_and_changes_nothing(self):
+        """A user's subclass would keep the class it was defined on: activate() after it, and deactivate() after
+        one defined while active, refuse in one line naming the fix, having changed nothing."""
+        report = run_scenario(
+            """
+            from torch.nn.parallel import DistributedDataParallel
+
+            class MyDDP(DistributedDataParallel):
+                pass
+
+            modules, meta_path = dict(sys.modules), list(sys.meta_path)
+            try:
+                torch_overlay.activate()
+                refused = None
+            except torch_overlay.SubclassedError as e:
+                refused = str(e)
+            report = {
+                "refused": refused,
+                "unchanged": all(sys.modules[n] is m for n, m in modules.items()) and sys.meta_path == meta_path,
+                "active": torch_overlay.status().process.active,
+            }
+            del MyDDP
+            import gc
+            gc.collect()
+            torch_overlay.activate()  # the subclass is gone
+
+            class Later(sys.modules["torch.nn.parallel"].DistributedDataParallel):
+                pass
+
+            modules = dict(sys.modules)
+            try:
+                torch_overlay.deactivate()
+            except torch_overlay.SubclassedError as e:
+                report["deactivate_refused"] = str(e)
+            report["still_active"] = torch_overlay.status().process.active and all(
+                sys.modules[n] is m for n, m in modules.items()
+            )
+            print(json.dumps(report))
+            """
+        )
+        self.assertEqual(
+            report.pop("refused"),
+            "torch_overlay: refusing to activate the overlay: __main__.MyDDP subclasses "
+            "torch.nn.parallel.distributed.DistributedDataParallel, which the overlay serves, and would keep the stock "
+            "class; nothing was changed. Activate before that class is defined: `python -m torch_overlay.activate` "
+            "(every process), or torch_overlay.activate() before importing it.",
+        )
+        self.assertIn("refusing to deactivate the overlay: __main__.Later subclasses", report.pop("deactivate_refused"))
+        self.assertEqual(report, {"unchanged": True, "active": False, "still_active": True})
 
     def test_a_failing_base_check_stands_down_without_breaking_imports(self):
         report = run_scenario(
@@ -247,7 +367,8 @@ class ActivationTest(unittest.TestCase):
 
             torch_overlay.activate()
             import torch._dynamo.trace_rules as trace_rules  # imported while active
-            upstream = upstream_and_overlay_paths()[0][0]
+            # A file under torch/distributed: the nested-graph-break list holds those (from torch 2.14 on).
+            upstream = next(up for up, _ in upstream_and_overlay_paths() if "/torch/distributed/" in up)
             report = {
                 "predicates": sorted(predicates(trace_rules)),
                 "lists": sorted(path_lists(trace_rules)),

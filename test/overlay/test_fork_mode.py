@@ -55,6 +55,8 @@ def installed_base_project(root: Path) -> tuple[Project, dict[str, bytes], str]:
     project = Project(root)
     raw = json.loads(Path(MANIFEST_PATH).read_text())
     raw["bases"] = [b for b in raw["bases"] if b["version"] == version]
+    for module in raw["modules"]:
+        module.pop("base_payloads", None)  # one base: its payload serves it
     project.manifest_path.parent.mkdir(parents=True)
     project.manifest_path.write_text(json.dumps(raw, indent=2) + "\n")
     return project, pristine(project).files(project.manifest().payload_base), version

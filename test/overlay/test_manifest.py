@@ -1,16 +1,18 @@
-"""The manifest's rule for one payload: a runtime file may differ between bases only in comments, and only
-where its module records the code digest they share (``code_sha256``)."""
+"""The manifest's rule for the payloads: a runtime file may differ between bases in comments where its module
+records the code digest they share (``code_sha256``), and in code where the other base has its own payload
+(``base_payloads``)."""
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import unittest
 from pathlib import Path
 
 from _patch_project import BASE, BETA, manifest_text
 
-from torch_overlay._manifest import code_sha256, load_manifest
+from torch_overlay._manifest import PACKAGE_DIR, code_sha256, load_manifest
 
 CODE = b'''"""A module."""
 
@@ -62,11 +64,36 @@ class TestRuntimeFileRule(unittest.TestCase):
         with self.assertRaises(RuntimeError) as raised:
             load_manifest(self.path)
         self.assertIn(
-            "base 9.8.0: runtime file torch/fake/beta.py differs from the payload base 9.9.0's; one payload cannot "
-            "serve both unless they differ only in comments: then record their code digest as the module's "
-            '"code_sha256" (`make rebase` does; `make check` verifies it)',
+            "base 9.8.0: runtime file torch/fake/beta.py differs from the payload base 9.9.0's and has no payload of "
+            'its own: list the base in the module\'s "base_payloads" (`make rebase` does, `make patches` writes the '
+            "file; `make check` verifies it), or, if they differ only in comments, record their code digest as its "
+            '"code_sha256"',
             str(raised.exception),
         )
+
+    def test_runtime_file_differing_in_code_is_served_from_its_base_payload(self) -> None:
+        """One payload per distinct upstream file: 9.7.0 ships 9.8.0's beta.py, so it is served 9.8.0's payload."""
+        bases = {"9.7.0": self.old, "9.8.0": self.old, "9.9.0": BASE}
+        self.path.write_text(manifest_text(bases, base_payloads={"torch/fake/beta.py": ["9.7.0"]}))
+        manifest = load_manifest(self.path)
+        beta = manifest.module("torch.fake.beta")
+        served = {b.version: manifest.payload_file(beta, b) for b in manifest.bases}
+        own = str(Path(PACKAGE_DIR, "bases", "9.7.0", "torch", "fake", "beta.py"))
+        self.assertEqual(served, {"9.7.0": own, "9.8.0": own, "9.9.0": beta.overlay_file})
+        self.assertEqual(beta.payload_files, (beta.overlay_file, own))
+
+    def test_base_payloads_name_each_distinct_file_once_by_its_oldest_base(self) -> None:
+        bases = {"9.7.0": self.old, "9.8.0": self.old, "9.9.0": BASE}
+        for listed, problem in [
+            (["9.8.0"], "base_payloads lists 9.8.0, but the payload of torch 9.7.0's file"),
+            (["9.7.0", "9.8.0"], "base_payloads lists 9.8.0, but the payload of torch 9.7.0's file"),
+            (["9.9.0"], "base_payloads lists 9.9.0, not a base older than 9.9.0"),
+            (["9.6.0"], "base_payloads lists 9.6.0, not a base older than 9.9.0"),
+        ]:
+            with self.subTest(listed=listed):
+                self.path.write_text(manifest_text(bases, base_payloads={"torch/fake/beta.py": listed}))
+                with self.assertRaisesRegex(RuntimeError, re.escape(problem)):
+                    load_manifest(self.path)
 
     def test_runtime_file_with_code_sha256_is_accepted(self) -> None:
         digest = code_sha256(BETA.encode())

@@ -3,6 +3,7 @@ check fails."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import tempfile
@@ -15,6 +16,7 @@ from _patch_project import (
     ALPHA,
     BASE,
     GAMMA,
+    BETA,
     OLD_BASE,
     OVERLAY,
     SHARED_MID,
@@ -32,6 +34,7 @@ from tools.check import check
 from tools.patches import PatchError, generate, write
 from tools.pristine import pristine
 from tools.project import default_project
+from tools.transplant import main as transplant_main
 from torch_overlay._guard import find_torch_dir
 from torch_overlay._manifest import code_sha256
 
@@ -291,6 +294,53 @@ Run `make sources` (downloads the missing bases' wheels), or `make install TORCH
                 "payload to serve it (README, 'Add a torch release')"
             ],
         )
+
+    def test_base_payload_is_the_transplant(self) -> None:
+        """alpha.py served at run time, 9.8.0's differing in code: 9.8.0 gets its own payload, written by
+        tools.transplant (after every edit of the payload) and checked by the sync check."""
+        bases = {"9.8.0": OLD_BASE, "9.9.0": BASE}
+        own = {"torch/fake/alpha.py": ["9.8.0"]}
+        self.project.manifest_path.write_text(manifest_text(bases, runtime=tuple(BASE), base_payloads=own))
+        self.found = pristine(self.project, self.sources)
+        self.regenerate()
+        regenerate = "run `make patches` (python -m tools.transplant)"
+        where = "torch_overlay/bases/9.8.0/torch/fake/alpha.py"
+        self.assertEqual(self.check(), [f"{where}: missing; {regenerate}"])
+
+        def transplant() -> str:
+            args = ["--root", str(self.project.root)] + [a for s in self.sources for a in ("--wheel", str(s))]
+            with mock.patch("sys.stdout", new_callable=io.StringIO) as out:
+                self.assertEqual(transplant_main(args), 0)
+            return out.getvalue()
+
+        self.assertEqual(transplant(), f"{where}: written\n")
+        payload = self.project.base_payload_file("9.8.0", "torch/fake/alpha.py")
+        self.assertEqual(payload.read_text(), OVERLAY["torch/fake/alpha.py"].replace("line 20\n", "line 20 old\n"))
+        self.assertEqual(self.check(), [])
+
+        # The payload edited (within a claimed block): the base's payload must follow.
+        overlay = self.project.overlay_file("torch/fake/alpha.py")
+        overlay.write_text(overlay.read_text().replace("line 15 extended", "line 15 extended more"))
+        self.regenerate()
+        self.assertEqual(
+            self.check(),
+            [
+                f"{where}: not our change in torch_overlay/torch/fake/alpha.py transplanted onto torch 9.8.0's file; "
+                f"{regenerate}"
+            ],
+        )
+        self.assertEqual(transplant(), f"{where}: written\n")
+        self.assertIn("line 15 extended more\n", payload.read_text())
+        self.assertEqual(self.check(), [])
+
+        stale = self.project.base_payload_file("9.8.0", "torch/fake/beta.py")
+        stale.write_text(BETA)
+        self.assertEqual(
+            self.check(),
+            [f"torch_overlay/bases/9.8.0/torch/fake/beta.py: no base payload in manifest.json; {regenerate}"],
+        )
+        self.assertIn("beta.py: removed", transplant())
+        self.assertFalse(stale.exists())
 
     def test_unclaimed_and_doubly_claimed_blocks(self) -> None:
         toml = self.project.series_toml

@@ -42,6 +42,11 @@ class PersistentHookTest(TestCase):
         self.assertFalse(report["at_start"]["torch_imported"], "the start-up hook must not import torch")
         self.assertTrue(report["here"]["warning_fixed"], report)
         self.assertTrue(report["spawned_child"]["warning_fixed"], report)
+        # DDP is served from the first import of torch on, from this base's payload, torch's subclass on it.
+        ddp = load_manifest().module("torch.nn.parallel.distributed")
+        ddp_file = load_manifest().payload_file(ddp, check_base().matched)
+        for process in ("here", "spawned_child"):
+            self.assertEqual((report[process]["ddp_file"], report[process]["ddp_subclass_on_it"]), (ddp_file, True))
         torchrun = run(
             [self.venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(PROBE)]
         )

@@ -1,5 +1,6 @@
 """Adding a torch release in place, on synthetic upstream files: clean (newer and older), conflicting, a
-changed runtime file (in code, or in comments only), a failed sync check, and a release already listed."""
+changed runtime file (in code: a payload of its own for the other bases; in comments only: the code digest), a
+failed sync check, and a release already listed."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class TestRebase(expecttest.TestCase):
         """Every file the rebase may change: manifest, pyproject, overlay files, patches/."""
         p = self.project
         files = [p.manifest_path, p.pyproject, *generated_files(p.patches_dir)]
-        files += [p.overlay_file(path) for path in BASE]
+        files += [p.overlay_file(path) for path in BASE] + sorted(p.bases_dir.rglob("*.py"))
         return {str(f.relative_to(p.root)): f.read_bytes() for f in files if f.is_file()}
 
     def upstream(self, version: str, files: dict[str, str]) -> Path:
@@ -104,18 +105,6 @@ rebase: conflicts; nothing changed. The merges, with conflict markers, are in <t
         review = self.project.root / "build/rebase-10.0.0/torch/fake/alpha.py"
         self.assertIn("<<<<<<< overlay/torch/fake/alpha.py", review.read_text())
 
-    def test_runtime_file_changed_upstream_changes_nothing(self) -> None:
-        beta = '"""Beta, now documented upstream."""\n\n\n' + BASE["torch/fake/beta.py"]
-        text = self.run_rebase(self.upstream("10.0.0", {**BASE, "torch/fake/beta.py": beta}))
-        self.assertIn("torch/fake/beta.py: clean", text)
-        self.assertIn(
-            "rebase: torch 10.0.0 changed the code of torch/fake/beta.py upstream (not only comments), a file the "
-            "overlay serves at run time; one payload cannot serve it and the other bases (9.8.0, 9.9.0). Nothing "
-            "changed.",
-            text,
-        )
-        self.assertEqual(self.snapshot(), self.before)
-
     def serve_alpha_at_run_time(self) -> None:
         """alpha.py served at run time too, 9.8.0's being 9.9.0's (beta.py is too short for a change upstream:
         a patch of a two-line file does not apply to a file with one more line)."""
@@ -130,12 +119,43 @@ rebase: conflicts; nothing changed. The merges, with conflict markers, are in <t
         """A release whose alpha.py has ``new`` for ``old``."""
         return self.upstream(version, {**BASE, "torch/fake/alpha.py": ALPHA.replace(old, new)})
 
+    def test_runtime_file_changed_in_code_gives_the_other_bases_their_own_payload(self) -> None:
+        self.serve_alpha_at_run_time()
+        upstream = self.upstream_alpha("10.0.0", "line 7\n", "line 7 x\n")
+        text = self.run_rebase(upstream)
+        self.assertExpectedInline(
+            text,
+            """\
+exit 0
+torch/fake/alpha.py: clean
+torch/fake/beta.py: clean
+torch/fake/alpha.py: changed upstream in code; each base with another file of it than the newest base's gets its own payload (torch_overlay/bases/<version>/..., our change transplanted)
+rebase: torch 10.0.0 added; the bases are now 9.8.0, 9.9.0, 10.0.0; patches/ regenerated; sync check passed
+Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tells which fixes upstream made), then the README's table of releases.
+""",  # noqa: E501
+        )
+        # 9.8.0 and 9.9.0 ship one file: one payload, by the oldest; it is the payload made on 9.9.0, as it was.
+        alpha = self.project.manifest().module("torch.fake.alpha")
+        self.assertEqual(alpha.base_payloads, ("9.8.0",))
+        own = self.project.base_payload_file("9.8.0", "torch/fake/alpha.py")
+        self.assertEqual(own.read_bytes(), self.before["torch_overlay/torch/fake/alpha.py"])
+        self.assertIn("line 7 x\n", self.project.overlay_file("torch/fake/alpha.py").read_text())
+        self.sources.append(upstream)
+        self.assertEqual(check(self.project, self.sources), [])
+
+        # An older release with that file: the payload is named by it now, the one by 9.8.0 is gone.
+        self.assertIn(
+            "rebase: torch 9.7.0 added", self.run_rebase(self.upstream_alpha("9.7.0", "line 7\n", "line 7\n"))
+        )
+        self.assertEqual(self.project.manifest().module("torch.fake.alpha").base_payloads, ("9.7.0",))
+        self.assertFalse(own.exists())
+        self.assertEqual(
+            self.project.base_payload_file("9.7.0", "torch/fake/alpha.py").read_bytes(),
+            self.before["torch_overlay/torch/fake/alpha.py"],
+        )
+
     def test_runtime_file_changed_in_comments_only_is_added(self) -> None:
         self.serve_alpha_at_run_time()
-        refused = self.run_rebase(self.upstream_alpha("10.0.0", "line 7\n", "line 7 x\n"))  # a code change
-        self.assertIn("torch 10.0.0 changed the code of torch/fake/alpha.py upstream (not only comments)", refused)
-        self.assertEqual(self.snapshot(), self.before)
-
         upstream = self.upstream_alpha("10.0.0", "line 7\n", "line 7  # upstream\n")
         digest = code_sha256(ALPHA.encode())
         self.assertEqual(

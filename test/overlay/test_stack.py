@@ -28,6 +28,7 @@ from tools.pristine import pristine
 from tools.project import default_project
 from tools.series import Patch
 from tools.stack_rules import diff_stats, violations
+from torch_overlay._guard import check_base
 
 GOOD = Patch(
     name="good",
@@ -225,7 +226,7 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
     def test_scratch_copy_serves_the_prefix(self) -> None:
         scratch = scratch_project(self.project, self.tmp / "scratch")
         self.assertFalse((scratch / "torch_overlay" / "torch").exists())
-        serve(scratch, {"torch/fake/beta.py": BASE["torch/fake/beta.py"].encode()})
+        serve(scratch, {"torch/fake/beta.py": BASE["torch/fake/beta.py"].encode()}, self.project.manifest().bases[-1])
         self.assertEqual((scratch / "torch_overlay/torch/fake/beta.py").read_text(), BASE["torch/fake/beta.py"])
         self.assertTrue((scratch / "patches/series.toml").is_file())
         self.assertTrue((scratch / "test/fake/test_one.py").is_file())
@@ -235,14 +236,14 @@ class TestRealPrefix(unittest.TestCase):
     def test_a_prefix_is_imported_from_its_own_files(self) -> None:
         # The prefix's clip_grad.py raises when imported: the fresh interpreter must have imported that one.
         project = default_project()
-        base = project.manifest().bases[-1]
+        base = check_base().matched  # the scratch interpreter serves the installed base's files
         files = pristine(project).files(base)
         tree = dict(files)
         tree["torch/nn/utils/clip_grad.py"] += b"\nraise RuntimeError('served from the prefix')\n"
         entry = stack(project)[0]
         with tempfile.TemporaryDirectory() as tmp:
             scratch = scratch_project(project, Path(tmp) / "project")
-            result = check_prefix(project, scratch, Prefix(entry, (), tree), files, import_only=True)
+            result = check_prefix(project, scratch, Prefix(entry, (), tree), files, import_only=True, base=base)
         self.assertEqual(result.modules, ("torch.nn.utils.clip_grad",))
         self.assertIn("RuntimeError: served from the prefix", result.imported or "")
         self.assertFalse(result.ok)
