@@ -781,11 +781,9 @@ class DistributedDataParallel(Module, Joinable):
                     desynchronization and result in training hang.
         device_mesh (DeviceMesh, optional): a 1-D mesh to replicate over, instead
                     of ``process_group``. For a tensor parallel model, pass the data
-                    parallel dimension of its mesh: each DTensor parameter is then
-                    replaced by its local shard, a plain parameter that DDP trains.
-                    Build the optimizer after wrapping, from ``model.parameters()``:
-                    one built before holds the replaced DTensors and raises at its
-                    first ``step()``.
+                    parallel dimension of its mesh: the module keeps its DTensor
+                    parameters, whose gradients are DTensors averaged over this
+                    mesh, as with tensor parallelism alone.
         batched_grad_copy (bool): When set to ``True``, individual per-parameter
                     gradient-to-bucket copy and division operations are deferred
                     and flushed as a single ``_foreach_copy_`` plus one flat
@@ -858,6 +856,7 @@ class DistributedDataParallel(Module, Joinable):
                 "need to be set at the same time.",
             )
 
+        restore_dtensor_params = None
         if process_group and device_mesh is not None:
             raise RuntimeError(
                 "Cannot specify both process_group and device_mesh arguments."
@@ -887,7 +886,7 @@ class DistributedDataParallel(Module, Joinable):
                     _pre_dp_module_transform,
                 )
 
-                _pre_dp_module_transform(module)
+                restore_dtensor_params = _pre_dp_module_transform(module)
 
         self._delay_all_reduce_params = []
         if hasattr(module, "_ddp_params_and_buffers_to_ignore"):
@@ -1081,6 +1080,10 @@ class DistributedDataParallel(Module, Joinable):
 
         # In debug mode, build a mapping of parameter index -> parameter.
         param_to_name_mapping = self._build_debug_param_to_name_mapping(parameters)
+        if restore_dtensor_params is not None:
+            # The reducer holds the local tensors of the DTensor parameters,
+            # which the module holds again.
+            restore_dtensor_params()
 
         # Builds reducer.
         self._ddp_init_helper(
