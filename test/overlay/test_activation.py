@@ -77,8 +77,12 @@ class ActivationTest(unittest.TestCase):
                     is_ours(tp_fsdp._flatten_tensor),
                     is_ours(sys.modules["torch.distributed.tensor.parallel.ddp"]._flatten_tensor),
                 ],
-                "parent_attribute": sys.modules["torch.distributed.fsdp"]._unshard_param_utils is swapped[2],
+                "parent_attribute": sys.modules["torch.distributed.fsdp"]._unshard_param_utils
+                is swapped[NAMES.index("torch.distributed.fsdp._unshard_param_utils")],
                 "status_active": torch_overlay.status().process.active,
+                # DTensor registered itself on import, before the swap
+                "registry_kept": torch.distributed.tensor.DTensor
+                in sys.modules["torch.utils._foreach_utils"]._foreach_supported_types,
             }
             torch_overlay.deactivate()
             torch_overlay.deactivate()
@@ -103,6 +107,7 @@ class ActivationTest(unittest.TestCase):
                 "second_activate_noop": True,
                 "parent_attribute": True,
                 "status_active": True,
+                "registry_kept": True,
                 "same_bindings": True,
                 "same_objects": True,
                 "same_modules": True,
@@ -120,8 +125,9 @@ class ActivationTest(unittest.TestCase):
             import torch.distributed.tensor.parallel.fsdp as tp_fsdp
             report["served_lazily"] = is_ours(fsdp_api._unshard_params) and is_ours(tp_fsdp._flatten_tensor)
             torch_overlay.deactivate()
+            unshard_utils = sys.modules["torch.distributed.fsdp._unshard_param_utils"]
             report["stock_after_deactivate"] = not is_ours(fsdp_api._unshard_params) and not any(
-                is_ours(f) for f in (tp_fsdp._flatten_tensor, sys.modules[NAMES[2]]._unshard_params)
+                is_ours(f) for f in (tp_fsdp._flatten_tensor, unshard_utils._unshard_params)
             )
             print(json.dumps(report))
             """
@@ -151,6 +157,7 @@ class ActivationTest(unittest.TestCase):
                     "torch.distributed.fsdp._unshard_param_utils",
                     "torch.distributed.tensor.parallel._data_parallel_utils",
                     "torch.nn.utils.clip_grad",  # imported by torch
+                    "torch.utils._foreach_utils",  # imported by torch
                 ],
             },
         )
