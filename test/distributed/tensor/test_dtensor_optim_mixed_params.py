@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor, DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -98,17 +99,29 @@ class TestOptimizerMixedParams(DTensorContinuousTestBase):
             (optim.Adadelta, {"foreach": True}),
             (optim.ASGD, {"foreach": True}),
         ]
-        self.run_subtests({"config": configs}, self._test_train)
+        self.run_subtests({"config": configs}, self._test_train, "tp")
 
-    def _test_train(self, config):
+    def test_optimizers_train_fsdp2_with_ignored_params(self):
+        """FSDP2 leaves its ignored parameters plain."""
+        configs = [
+            (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+            (torch.optim.AdamW, {"foreach": True}),
+            (torch.optim.Adam, {"fused": True}),
+        ]
+        self.run_subtests({"config": configs}, self._test_train, "fsdp2")
+
+    def _test_train(self, layout, config):
         optim_cls, kwargs = config
         mesh = init_device_mesh(self.device_type, (self.world_size,))
         torch.manual_seed(0)
         ref = Net().to(self.device_type)
         model = copy.deepcopy(ref)
-        parallelize_module(
-            model, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-        )
+        if layout == "tp":
+            plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+            parallelize_module(model, mesh, plan)
+        else:
+            ignored = set(model.norm.parameters()) | set(model.head.parameters())
+            fully_shard(model, mesh=mesh, ignored_params=ignored)
         params = list(model.parameters())
         self.assertEqual(len({type(p) for p in params}), 2)
         ref_optim = optim_cls(ref.parameters(), **kwargs)
