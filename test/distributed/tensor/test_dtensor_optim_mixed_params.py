@@ -95,9 +95,6 @@ class TestOptimizerMixedParams(DTensorContinuousTestBase):
             (optim.RMSprop, {"foreach": True, "momentum": 0.9}),
             (optim.NAdam, {"foreach": True}),
             (optim.RAdam, {"foreach": True}),
-            (optim.Adamax, {"foreach": True}),
-            (optim.Adadelta, {"foreach": True}),
-            (optim.ASGD, {"foreach": True}),
         ]
         self.run_subtests({"config": configs}, self._test_train, "tp")
 
