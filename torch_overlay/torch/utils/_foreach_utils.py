@@ -83,8 +83,10 @@ class _SubclassGroupKey(tuple):
         return key
 
     def __eq__(self, other):
-        return tuple.__eq__(self, other) and (
-            self.tensor_type is getattr(other, "tensor_type", None)
+        return (
+            isinstance(other, _SubclassGroupKey)
+            and tuple(self) == tuple(other)
+            and self.tensor_type is other.tensor_type
         )
 
     def __ne__(self, other):
