@@ -52,7 +52,7 @@ def _group_tensors_by_device_and_dtype(
     types = set(map(type, tensorlistlist[0])) if tensorlistlist else set()
     if len({_tensor_type(t) for t in types}) <= 1:
         return grouped
-    split = {}
+    split: dict[tuple[torch.device, torch.dtype], tuple[TensorListList, Indices]] = {}
     for key, (tensorlists, indices) in grouped.items():
         positions: dict[type, list[int]] = {}
         for i, t in enumerate(tensorlists[0]):
@@ -77,22 +77,26 @@ class _SubclassGroupKey(tuple):
     those of plain tensors in another group: it unpacks as ``(device, dtype)`` like
     every key, and compares and hashes with the subclass too."""
 
-    def __new__(cls, device, dtype, tensor_type):
+    tensor_type: type
+
+    def __new__(
+        cls, device: torch.device, dtype: torch.dtype, tensor_type: type
+    ) -> "_SubclassGroupKey":
         key = super().__new__(cls, (device, dtype))
         key.tensor_type = tensor_type
         return key
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, _SubclassGroupKey)
             and tuple(self) == tuple(other)
             and self.tensor_type is other.tensor_type
         )
 
-    def __ne__(self, other):
+    def __ne__(self, other: object) -> bool:
         return not self == other
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash((*self, self.tensor_type))
 
 
