@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tools.series import Patch
 
-TAGS = ("[DTensor]", "[FSDP]", "[DDP]", "[dynamo]")
+TAGS = ("[DTensor]", "[FSDP]", "[DDP]", "[dynamo]", "[optim]")
 MAX_SUMMARY_LINES = 15
 MAX_CODE_LINES = 400
 """Changed lines (added + removed) in files outside ``test/``."""

@@ -310,6 +310,12 @@ def _swap(
             and attr in new_globals
         ):
             replacements[id(value)] = (value, new_globals[attr])
+        # NOTE: a module-level list that other modules register into stays one object, or what was registered
+        # before the swap is lost: DTensor appends itself to `_foreach_utils._foreach_supported_types` when
+        # imported. ``new`` takes ``old``'s list when that holds every entry of its own.
+        fresh = new_globals.get(attr)
+        if type(value) is list and type(fresh) is list and not attr.startswith("__") and all(x in value for x in fresh):
+            new_globals[attr] = value
     untouchable = {id(old), id(new)} | {id(m) for m in _originals.values()} | set(keep)
     untouchable |= {id(sys.modules.get(m.name)) for m in manifest.runtime_modules}
     for module in list(sys.modules.values()):

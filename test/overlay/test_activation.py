@@ -88,6 +88,9 @@ class ActivationTest(unittest.TestCase):
                 "new_modules_served": [
                     importlib.import_module(n).__file__.startswith(PACKAGE_DIR) for n in NEW
                 ],
+                # DTensor registered itself on import, before the swap
+                "registry_kept": torch.distributed.tensor.DTensor
+                in sys.modules["torch.utils._foreach_utils"]._foreach_supported_types,
             }
             torch_overlay.deactivate()
             torch_overlay.deactivate()
@@ -123,6 +126,7 @@ class ActivationTest(unittest.TestCase):
                 "second_activate_noop": True,
                 "parent_attribute": True,
                 "status_active": True,
+                "registry_kept": True,
                 "same_bindings": True,
                 "same_objects": True,
                 "same_modules": True,
@@ -188,6 +192,7 @@ class ActivationTest(unittest.TestCase):
                     "torch.distributed.tensor.parallel._data_parallel_utils",
                     "torch.nn.parallel.distributed",  # imported by torch
                     "torch.nn.utils.clip_grad",  # imported by torch
+                    "torch.utils._foreach_utils",  # imported by torch
                 ],
             },
         )

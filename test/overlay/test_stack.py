@@ -3,6 +3,7 @@ series applied and served from a scratch copy, the stack table; one real prefix 
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import textwrap
 import unittest
@@ -70,7 +71,7 @@ class TestStackRules(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(violations(bad, message, stats)),
             """\
-title must start with one of [DTensor] [FSDP] [DDP] [dynamo]: '[2D] Make the overlay work'
+title must start with one of [DTensor] [FSDP] [DDP] [dynamo] [optim]: '[2D] Make the overlay work'
 Summary has 16 lines, at most 15
 Test Plan has no command (a line such as `python test/distributed/...py`)
 the message says Fixes #93938, but series.toml's fixes are #152712
@@ -79,6 +80,12 @@ the message says Fixes #93938, but series.toml's fixes are #152712
 the message names this project's tooling: 'every base', 'make check', 'series.toml'
 test/test_a.py (added lines) names this project's tooling: 'torch-overlay'""",
         )
+
+    def test_every_area_tag_is_accepted(self) -> None:
+        stats = diff_stats(_diff("torch/a.py", 1))
+        for tag in ("[DTensor]", "[FSDP]", "[DDP]", "[dynamo]", "[optim]"):
+            patch = dataclasses.replace(GOOD, title=f"{tag} Fix it")
+            self.assertEqual(violations(patch, GOOD_MESSAGE, stats), [], tag)
 
     def test_ordinary_words_are_not_tooling(self) -> None:
         message = GOOD_MESSAGE + "A frozen base weight; the base class; make the change; the manifold.\n"
@@ -182,7 +189,7 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
         self.assertEqual([e.file.name for e in stack(self.project)], ["0001-fix-alpha.patch", "0002-extend.patch"])
         self.assertExpectedInline(
             "\n".join(rule_violations(self.project)),
-            "0002-extend.patch: title must start with one of [DTensor] [FSDP] [DDP] [dynamo]: "
+            "0002-extend.patch: title must start with one of [DTensor] [FSDP] [DDP] [dynamo] [optim]: "
             "'[2D] Extend alpha and beta'",
         )
         self.assertExpectedInline(
