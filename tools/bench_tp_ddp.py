@@ -149,6 +149,7 @@ def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list
 
     def hooks_of(model: nn.Module, names: set[str]) -> Callable[[], None]:
         """Call the named forward pre-hooks and forward hooks of every module of ``model``, as one forward does."""
+
         def name(hook) -> str:  # the overlay registers functools.partial objects
             return getattr(hook, "func", hook).__name__
 
@@ -198,7 +199,9 @@ def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list
     return figures
 
 
-def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: int, repeats: int, compiled: bool):
+def _step_figures(
+    mesh, blocks: int, dim: int, hidden: int, batch: int, iters: int, repeats: int, compiled: bool, foreach: bool
+):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -248,7 +251,8 @@ def _step_figures(mesh, blocks: int, dim: int, hidden: int, batch: int, iters: i
             ("fsdp2_compiled", torch.compile(fsdp_compiled), fsdp_compiled.parameters()),
         ]
     for key, model, params in configs:
-        optim = torch.optim.SGD(list(params), lr=1e-3)
+        # foreach=None: the for-loop on CPU, where each DTensor parameter's update goes through DTensor's dispatch.
+        optim = torch.optim.SGD(list(params), lr=1e-3, foreach=foreach or None)
 
         def step(model=model, optim=optim) -> None:
             model(x).sum().backward()
@@ -287,7 +291,15 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
     torch_overlay.activate()
     hooks = _hook_figures(mesh, args.params, args.hook_iters, args.repeats)
     steps, compiles = _step_figures(
-        mesh, args.blocks, args.dim, args.hidden, args.batch, args.step_iters, args.repeats, not args.no_compile
+        mesh,
+        args.blocks,
+        args.dim,
+        args.hidden,
+        args.batch,
+        args.step_iters,
+        args.repeats,
+        not args.no_compile,
+        args.foreach,
     )
     queue.put((rank, hooks, steps, compiles))
     dist.destroy_process_group()
@@ -310,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--step-iters", type=int, default=3)
+    parser.add_argument("--foreach", action="store_true", help="SGD(foreach=True), the default on CUDA")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configurations")
     args = parser.parse_args(argv)
@@ -336,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\n2. training step, {args.blocks}-block TP MLP (dim {args.dim}, hidden {args.hidden}, batch {args.batch}),"
-        f" median of {args.repeats} x {args.step_iters} steps"
+        f" median of {args.repeats} x {args.step_iters} steps, SGD foreach={args.foreach or None}"
     )
     names = {
         "overlay": "(a) overlay DDP(device_mesh=dp)",

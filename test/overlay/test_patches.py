@@ -15,8 +15,8 @@ import expecttest
 from _patch_project import (
     ALPHA,
     BASE,
-    GAMMA,
     BETA,
+    GAMMA,
     OLD_BASE,
     OVERLAY,
     SHARED_MID,

@@ -170,7 +170,9 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
                     self.assertIs(after[name], param, name)
                 ddp(self.inputs(mesh, step)).sum().backward()
                 if step == 0:  # after replicate()'s lazy init
-                    net1.register_forward_pre_hook(lambda m, i: seen.append(m.weight))
+                    net1.register_forward_pre_hook(
+                        lambda m, i, s=seen: s.append(m.weight)
+                    )
             for key, value in model.state_dict().items():
                 self.assertEqual(isinstance(value, DTensor), key.startswith("blocks"))
             # During its owner's forward, a zero-copy DTensor view of the parameter.
