@@ -400,6 +400,7 @@ def _agree_on_grads(handle: FlatParamHandle, groups) -> bool:
     Returns whether any rank has a gradient, in one all-reduce over ``groups``.
     A rank without one sends zeros in the parameter's dtype, so all ranks raise
     if one has a gradient in another dtype: their collectives would not match.
+    Then the handle is idle again: nothing else changed.
     """
     grad, dtype = handle.flat_param.grad, handle.flat_param._local_shard.dtype
     flags = [grad is not None, grad is not None and grad.dtype != dtype]
@@ -408,6 +409,7 @@ def _agree_on_grads(handle: FlatParamHandle, groups) -> bool:
         dist.all_reduce(any_flags, op=dist.ReduceOp.MAX, group=group)
     any_grad, other_dtype = any_flags.tolist()
     if other_dtype:
+        handle._training_state = HandleTrainingState.IDLE
         raise NotImplementedError(
             f"with_grads=True needs every rank's gradient in {dtype}: use "
             "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
@@ -501,13 +503,13 @@ def _validate_unshard_params_args(
     handle = state._handle
     if writeback and rank0_only:
         # Rank 0 would edit the device copy, and resharding restore the CPU one
-        if handle and not handle.uses_sharded_strategy and handle._offload_params:
-            if handle.device.type != "cpu":
-                raise NotImplementedError(
-                    "writeback=True and rank0_only=True with NO_SHARD and "
-                    "CPUOffload(offload_params=True) is not supported yet. "
-                    "Use a sharded strategy, or rank0_only=False."
-                )
+        offload = handle and handle._offload_params and handle.device.type != "cpu"
+        if offload and not handle.uses_sharded_strategy:
+            raise NotImplementedError(
+                "writeback=True and rank0_only=True is not supported yet with "
+                "NO_SHARD and CPUOffload(offload_params=True) on an accelerator: "
+                "use rank0_only=False"
+            )
     if offload_to_cpu and not rank0_only:
         warnings.warn(
             "offload_to_cpu=True and rank0_only=False may result in the "
@@ -560,12 +562,12 @@ def _unshard_fsdp_state_params(
             yield
         return
 
-    _reset_flat_param_grad_info_if_needed(handle)
-    any_grad = False
-    if with_grads and handle.uses_sharded_strategy:  # may raise on every rank
-        any_grad = _agree_on_grads(handle, (handle.process_group,))
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
 
+    _reset_flat_param_grad_info_if_needed(handle)
+    # Before the parameters move: if it raises, it does on every rank
+    sharded_grads = with_grads and handle.uses_sharded_strategy
+    any_grad = sharded_grads and _agree_on_grads(handle, (handle.process_group,))
     free_unsharded_flat_param = handle.needs_unshard()
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
@@ -586,10 +588,10 @@ def _unshard_fsdp_state_params(
     else:
         # Unflatten the unsharded flattened parameters
         with contextlib.ExitStack() as stack:
-            # Invariant: rank == 0 or !rank0_only
             if with_grads:  # set back once the parameter is back on its device
                 flat_param = handle.flat_param
                 stack.callback(setattr, flat_param, "grad", flat_param.grad)
+            # Invariant: rank == 0 or !rank0_only
             on_cpu = handle.flat_param.is_cpu  # `to_cpu()` would free it
             if offload_to_cpu and handle.uses_sharded_strategy and not on_cpu:
                 stack.enter_context(handle.to_cpu())
