@@ -252,7 +252,7 @@ def _unshard_grads_for_summon(handle: FlatParamHandle, any_grad: bool) -> None:
             grad = torch.zeros_like(flat_param._local_shard)
         grad = grad.to(handle.device)
         padded = grad.new_empty(flat_param._padded_unsharded_size)
-        dist.all_gather_into_tensor(padded, grad, group=handle.process_group)
+        dist.all_gather_single(padded, grad, group=handle.process_group)
         size = flat_param._unpadded_unsharded_size
         flat_param.grad = padded[: size.numel()].view(size)
     if handle._use_orig_params:
