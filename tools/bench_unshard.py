@@ -199,7 +199,7 @@ def _backward(model: nn.Module, width: int) -> None:
     model(torch.ones(2, width)).sum().backward()
 
 
-def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, queue) -> None:
+def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, only: str, queue) -> None:
     import torch_overlay
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -207,14 +207,14 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, qu
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    results: dict[str, list[Measurement]] = {key: [] for key in "abcdef"}
+    results: dict[str, list[Measurement]] = {key: [] for key in only}
     # (b) on stock torch, as users run it today
     torch_overlay.deactivate()
     model = _build_model(layers, width)
     shard_numel = sum(p.numel() for p in model.parameters())
     with FSDP.summon_full_params(model, writeback=False):
         expected = [p.detach().clone() * 0.5 for p in model.parameters()]
-    for _ in range(repeats):
+    for _ in range(repeats if "b" in only else 0):
         results["b"].append(_measure(lambda: _workaround(model, rank)))
     del model
     torch_overlay.activate()
@@ -222,7 +222,7 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, qu
     # dict, a full-state-dict load to set it), which the overlay leaves as they are on every base but one: torch
     # 2.13.0 needs the overlay's backport there to offload to CPU on a CPU compute device at all
     model = _build_model(layers, width)
-    for i in range(repeats):
+    for i in range(repeats if "d" in only else 0):
         results["d"].append(_measure(lambda: _dcp(model, rank)))
         if i == 0:
             _check_edit_everywhere(model, expected)
@@ -231,12 +231,16 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, qu
     # first alternates too), so that a change in the machine's load hits both alike
     model = _build_model(layers, width)
     floor = _floor(shard_numel, rank, gather=True)
-    for i in range(repeats):
+    for i in range(repeats if "a" in only else 0):
         for key in ("a", "c") if i % 2 == 0 else ("c", "a"):
             results[key].append(_measure((lambda: _ours(model, rank)) if key == "a" else floor))
         if i == 0:
             _check_edit_everywhere(model, expected)
     del model, floor
+    if "e" not in only:
+        queue.put((rank, shard_numel, results))
+        dist.destroy_process_group()
+        return
     # (e) ours with gradients and (f) its floor, alternating likewise
     model = _build_model(layers, width)
     _backward(model, width)
@@ -257,13 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="FSDP units, one linear layer each")
     parser.add_argument("--width", type=int, default=2560, help="features of each linear layer")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--only", default="abcdef", help="the methods to run, e.g. ac (a prefix of the series without gradients)"
+    )
     args = parser.parse_args(argv)
+    only = "".join(sorted(set(args.only + "c" + ("f" if "e" in args.only else "")) & set("abcdef")))
+    if "a" not in only:
+        parser.error("--only must include a: (c) and (e) alternate with it")
     numel = args.layers * (args.width * args.width + args.width)
     print(
         f"model: {args.layers} x Linear({args.width}, {args.width}) = {numel / 1e6:.1f}M parameters "
         f"({numel * 4 / MIB:.0f} MiB fp32), FULL_SHARD, {WORLD_SIZE} ranks, CPU/gloo, torch {torch.__version__}"
     )
-    gathered = run_ranks(_worker, WORLD_SIZE, args.layers, args.width, args.repeats)
+    gathered = run_ranks(_worker, WORLD_SIZE, args.layers, args.width, args.repeats, only)
     if gathered is None:
         return 1
     by_rank = {rank: results for rank, _, results in gathered}
@@ -294,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}, {args.repeats} repeats)"
         )
 
-    rows = {key: row(key) for key in "abcdef"}
+    rows = {key: row(key) for key in only}
     names = {
         "a": "(a) rank-0 writeback (overlay)",
         "b": "(b) all ranks + broadcast by hand (stock)",
@@ -314,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{writeback / floor_row[2]:>9.2f}{peak / MIB:>16.1f}{peak / shard_bytes:>8.2f}"
         )
     print(f"writeback {paired('a', 'c', lambda key: slowest_s(key, 'writeback_s'))}")
-    print(f"writeback {paired('e', 'f', lambda key: slowest_s(key, 'writeback_s'))}")
-    print(f"gather + writeback {paired('e', 'f', moved_s)}")
+    print(f"gather + writeback {paired('a', 'c', moved_s)}")
+    if "e" in only:
+        print(f"writeback {paired('e', 'f', lambda key: slowest_s(key, 'writeback_s'))}")
+        print(f"gather + writeback {paired('e', 'f', moved_s)}")
     return 0
 
 

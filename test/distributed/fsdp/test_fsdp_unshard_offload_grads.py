@@ -1,16 +1,18 @@
 # Owner(s): ["oncall: distributed"]
 
-import copy
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
-from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
-from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from torch.testing._internal.common_utils import run_tests, TEST_WITH_DEV_DBG_ASAN
 
-from common_fsdp_cpu import FSDPTestContinuousCPU
+from common_fsdp_unshard import batch, BodyError, FSDPUnshardTest, reference_model
 
 if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
@@ -30,60 +32,13 @@ STRATEGIES = [
 ]
 
 
-class _BodyError(Exception):
-    pass
-
-
-def _make_reference() -> nn.Module:
-    torch.manual_seed(0)
-    # Odd numels so that the last shard is padded
-    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))
-
-
-class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
+class TestUnshardOffloadAndGrads(FSDPUnshardTest):
     """
     ``offload_to_cpu`` with ``NO_SHARD``, and ``with_grads`` with ``offload_to_cpu`` or
     flat parameters.
     """
 
     world_size = 2
-
-    def _wrap(
-        self,
-        reference: nn.Module,
-        sharding_strategy: ShardingStrategy,
-        use_orig_params: bool,
-    ) -> FSDP:
-        """
-        Nested FSDP: an inner unit for the first linear layer, the root for the rest.
-        """
-        kwargs = {
-            "process_group": self.process_group,
-            "device_id": self.device,
-            "sharding_strategy": sharding_strategy,
-            "use_orig_params": use_orig_params,
-        }
-        model = copy.deepcopy(reference)
-        model[0] = FSDP(model[0], **kwargs)
-        return FSDP(model, **kwargs)
-
-    def _input(self) -> torch.Tensor:
-        # The same batch on every rank: the averaged gradient equals the reference's
-        return torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
-
-    def _assert_idle(self, model: FSDP) -> None:
-        for fsdp_module in FSDP.fsdp_modules(model):
-            self.assertEqual(fsdp_module.training_state, TrainingState.IDLE)
-            self.assertEqual(
-                fsdp_module._handle._training_state, HandleTrainingState.IDLE
-            )
-
-    def _assert_params_equal(self, model: FSDP, reference: nn.Module) -> None:
-        with FSDP.summon_full_params(model, writeback=False):
-            for param, ref_param in zip(
-                model.parameters(), reference.parameters(), strict=True
-            ):
-                self.assertEqual(param.cpu(), ref_param)
 
     def _train_step_and_compare(self, model: FSDP, reference: nn.Module) -> None:
         """
@@ -96,8 +51,8 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
                     if param.grad is not None:
                         param -= 0.1 * param.grad
                         param.grad = None
-        loss = model(self._input().to(self.device)).sum()
-        ref_loss = reference(self._input()).sum()
+        loss = model(batch().to(self.device)).sum()
+        ref_loss = reference(batch()).sum()
         self.assertEqual(loss.cpu(), ref_loss)
         loss.backward()
         ref_loss.backward()
@@ -118,8 +73,12 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
 
     def _test_offload_to_cpu_no_shard(self, use_orig_params, options):
         writeback, rank0_only = options
-        reference = _make_reference()
-        model = self._wrap(reference, ShardingStrategy.NO_SHARD, use_orig_params)
+        reference = reference_model()
+        model = self._wrap(
+            reference,
+            sharding_strategy=ShardingStrategy.NO_SHARD,
+            use_orig_params=use_orig_params,
+        )
         with FSDP.summon_full_params(
             model, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=True
         ):
@@ -133,12 +92,12 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
                     with torch.no_grad():
                         for param in model.parameters():
                             param.add_(1.0)
-        self._assert_idle(model)
+        self._check_idle_and_resharded(model)
         if writeback:
             with torch.no_grad():
                 for ref_param in reference.parameters():
                     ref_param.add_(1.0)
-        self._assert_params_equal(model, reference)
+        self._check_full(model, reference)
         for param in model.parameters():
             self.assertEqual(param.device, self.device)
         self._train_step_and_compare(model, reference)
@@ -163,10 +122,14 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         self, sharding_strategy, options, writeback
     ):
         use_orig_params, offload_to_cpu = options
-        reference = _make_reference()
-        model = self._wrap(reference, sharding_strategy, use_orig_params)
-        model(self._input().to(self.device)).sum().backward()
-        reference(self._input()).sum().backward()
+        reference = reference_model()
+        model = self._wrap(
+            reference,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        model(batch().to(self.device)).sum().backward()
+        reference(batch()).sum().backward()
         with FSDP.summon_full_params(
             model, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
         ):
@@ -181,7 +144,7 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
                 self.assertGreater(torch.count_nonzero(param.grad), 0)
                 if writeback:
                     param.grad *= 2
-        self._assert_idle(model)
+        self._check_idle_and_resharded(model)
         if writeback:
             for ref_param in reference.parameters():
                 ref_param.grad *= 2
@@ -206,10 +169,12 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
     def _test_with_grads_flat_params_after_optimizer_step(
         self, sharding_strategy, offload_to_cpu
     ):
-        reference = _make_reference()
-        model = self._wrap(reference, sharding_strategy, use_orig_params=False)
+        reference = reference_model()
+        model = self._wrap(
+            reference, sharding_strategy=sharding_strategy, use_orig_params=False
+        )
         for module in (model, reference):
-            module(self._input().to(self.device)).sum().backward()
+            module(batch().to(self.device)).sum().backward()
             torch.optim.SGD(module.parameters(), lr=0.1).step()
         with FSDP.summon_full_params(
             model, writeback=False, offload_to_cpu=offload_to_cpu, with_grads=True
@@ -219,7 +184,7 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
             ):
                 self.assertEqual(param.cpu(), ref_param)
                 self.assertEqual(param.grad.cpu(), ref_param.grad)
-        self._assert_idle(model)
+        self._check_idle_and_resharded(model)
 
     def test_summon_sequence_between_steps(self):
         """
@@ -232,8 +197,12 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         )
 
     def _test_summon_sequence_between_steps(self, sharding_strategy, use_orig_params):
-        reference = _make_reference()
-        model = self._wrap(reference, sharding_strategy, use_orig_params)
+        reference = reference_model()
+        model = self._wrap(
+            reference,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
         option_sequence = [
             {"writeback": True, "offload_to_cpu": True, "with_grads": True},
             {"writeback": False, "rank0_only": True},
@@ -243,15 +212,15 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
             {"writeback": False, "with_grads": True},
             {"writeback": True, "offload_to_cpu": True},
         ]
-        model(self._input().to(self.device)).sum().backward()
-        reference(self._input()).sum().backward()
+        model(batch().to(self.device)).sum().backward()
+        reference(batch()).sum().backward()
         for options in option_sequence:
             with FSDP.summon_full_params(model, **options):
                 for param in model.parameters():
                     param.detach().clone()
-            self._assert_idle(model)
+            self._check_idle_and_resharded(model)
             self._train_step_and_compare(model, reference)
-        self._assert_params_equal(model, reference)
+        self._check_full(model, reference)
 
     def test_body_raises_leaves_model_usable(self):
         """
@@ -264,10 +233,14 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
         )
 
     def _test_body_raises_leaves_model_usable(self, sharding_strategy, use_orig_params):
-        reference = _make_reference()
-        model = self._wrap(reference, sharding_strategy, use_orig_params)
-        model(self._input().to(self.device)).sum().backward()
-        reference(self._input()).sum().backward()
+        reference = reference_model()
+        model = self._wrap(
+            reference,
+            sharding_strategy=sharding_strategy,
+            use_orig_params=use_orig_params,
+        )
+        model(batch().to(self.device)).sum().backward()
+        reference(batch()).sum().backward()
         option_sequence = [
             {"writeback": False, "offload_to_cpu": True, "with_grads": True},
             {"writeback": False, "rank0_only": True, "offload_to_cpu": True},
@@ -278,13 +251,66 @@ class TestUnshardOffloadAndGrads(FSDPTestContinuousCPU):
             raised = False
             try:
                 with FSDP.summon_full_params(model, **options):
-                    raise _BodyError
-            except _BodyError:
+                    raise BodyError
+            except BodyError:
                 raised = True
             self.assertTrue(raised)
-            self._assert_idle(model)
+            self._check_idle_and_resharded(model)
             self._train_step_and_compare(model, reference)
-        self._assert_params_equal(model, reference)
+        self._check_full(model, reference)
+
+    def test_with_grads_zeros_in_param_dtype(self):
+        """
+        A rank without a gradient sends zeros in the parameter's dtype (bfloat16
+        here), not in float32: else the ranks' all-gathers would not match.
+        """
+        self.run_subtests(
+            {
+                "sharding_strategy": STRATEGIES[:2],
+                "use_orig_params": [False, True],
+            },
+            self._test_with_grads_zeros_in_param_dtype,
+        )
+
+    def _test_with_grads_zeros_in_param_dtype(self, **kwargs):
+        model = self._wrap(reference_model().to(torch.bfloat16), **kwargs)
+        model(batch().to(self.device, torch.bfloat16)).sum().backward()
+        handles = [m._handle for m in FSDP.fsdp_modules(model)]
+        shards = [h.flat_param.grad.clone() for h in handles]
+        if self.rank == 1:
+            model.zero_grad(set_to_none=True)
+        with FSDP.summon_full_params(model, with_grads=True):
+            for p in model.parameters():
+                self.assertEqual(p.grad.dtype, torch.bfloat16)
+            for handle, shard in zip(handles, shards, strict=True):
+                grad, n = handle.flat_param.grad, shard.numel()
+                self.assertEqual(grad.dtype, torch.bfloat16)
+                self.assertEqual(grad[n:], torch.zeros_like(grad[n:]))
+                if self.rank == 0:
+                    self.assertEqual(grad[:n], shard, atol=0, rtol=0)
+        self._check_idle_and_resharded(model)
+
+    def test_with_grads_other_dtype_raises(self):
+        """
+        Gradients in another dtype than the parameter (``keep_low_precision_grads``)
+        raise on every rank before any gradient moves, leaving FSDP idle.
+        """
+        self.run_subtests(
+            {"use_orig_params": [False, True], "writeback": [False, True]},
+            self._test_with_grads_other_dtype_raises,
+        )
+
+    def _test_with_grads_other_dtype_raises(self, use_orig_params, writeback):
+        low = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+        model, reference = self._models(
+            backward=False, use_orig_params=use_orig_params, mixed_precision=low
+        )
+        model(batch().to(self.device)).sum().backward()
+        with self.assertRaisesRegex(NotImplementedError, "gradient in torch.float32"):
+            with FSDP.summon_full_params(model, writeback=writeback, with_grads=True):
+                pass
+        self._check_idle_and_resharded(model)
+        self._check_full(model, reference)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecision
 from torch.testing._internal.common_utils import run_tests
 
+from common_fsdp_unshard import batch
+from test_fsdp_unshard_rank0_gather import _Rank0GatherTest
 from test_fsdp_unshard_rank0_writeback import (
     _edit,
     _edits,
-    BOTH,
-    _Rank0WritebackTest,
     _summon_rank0,
+    BOTH,
     FULL,
     GRAD_OP,
     HYBRID,
@@ -18,7 +19,7 @@ from test_fsdp_unshard_rank0_writeback import (
 )
 
 
-class TestUnshardRank0WritebackGrads(_Rank0WritebackTest):
+class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
     """
     ``summon_full_params(writeback=True, rank0_only=True, with_grads=True)`` on two
     ranks: rank 0's changes to the gradients reach every rank too.
@@ -82,6 +83,40 @@ class TestUnshardRank0WritebackGrads(_Rank0WritebackTest):
             with_grads=True,
         )
 
+    def test_rank0_writeback_grads_others_edit_and_body_raises(self):
+        config = {"sharding_strategy": [FULL, NO_SHARD], "use_orig_params": BOTH}
+        self.run_subtests(
+            config, self._test_others_edit_and_body_raises, with_grads=True
+        )
+
+    def test_rank0_writeback_grads_rank0_allocation_fails(self):
+        config = {"sharding_strategy": [FULL], "fail_at": [0, 1]}
+        self.run_subtests(config, self._test_rank0_allocation_fails, with_grads=True)
+
+    def test_rank0_writeback_grads_other_dtype_raises(self):
+        """
+        A rank without a gradient would send zeros in the parameter's dtype, others
+        theirs in bfloat16 (``keep_low_precision_grads``): every rank raises before
+        any collective that moves data, with nothing changed and FSDP idle again.
+        """
+        self.run_subtests(
+            {"sharding_strategy": [FULL, NO_SHARD], "use_orig_params": BOTH},
+            self._test_rank0_writeback_grads_other_dtype_raises,
+        )
+
+    def _test_rank0_writeback_grads_other_dtype_raises(self, **kwargs):
+        low = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+        model, reference = self._models(backward=False, mixed_precision=low, **kwargs)
+        model(batch().to(self.device)).sum().backward()
+        if self.rank != 0:
+            model.zero_grad(set_to_none=True)
+        with self.assertRaisesRegex(NotImplementedError, "gradient in torch.float32"):
+            with _summon_rank0(model, with_grads=True):
+                if self.rank == 0:
+                    _edit(list(model.parameters()))
+        self._check_idle_and_resharded(model)
+        self._check_full(model, reference)
+
     def test_rank0_writeback_grads_other_ranks_allocate_at_most_a_shard(self):
         self.run_subtests(
             {
@@ -108,7 +143,7 @@ class TestUnshardRank0WritebackGrads(_Rank0WritebackTest):
         self.run_subtests(config, self._test_collectives, with_grads=True)
 
 
-class TestUnshardRank0WritebackGradsHybrid(_Rank0WritebackTest):
+class TestUnshardRank0WritebackGradsHybrid(_Rank0GatherTest):
     """Hybrid sharding on a 2 x 2 mesh: every replica gets rank 0's gradients."""
 
     world_size = 4
@@ -122,8 +157,13 @@ class TestUnshardRank0WritebackGradsHybrid(_Rank0WritebackTest):
             },
             self._test_hybrid_shard,
             device_mesh=mesh,
-            with_grads=True,
         )
+
+    def _test_hybrid_shard(self, **kwargs):
+        # Rank 2, rank 0 of the other replica, must not keep a full copy either
+        self._test_rank0_writeback(with_grads=True, offload_to_cpu=True, **kwargs)
+        # Nor allocate one: only rank 0's replica gathers, to rank 0
+        self._test_allocate_at_most_a_shard(with_grads=True, **kwargs)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from torch.distributed.fsdp._runtime_utils import (
     _reshard,
     _reshard_grads,
     _unshard,
-    _unshard_grads,
 )
 from torch.distributed.utils import _p_assert
 
@@ -79,24 +78,28 @@ def _writeback_to_local_shard(
 # source is global rank 0: rank 0 of the state's process group and, for hybrid
 # sharding, of its replicate group. Every rank runs the same collectives for
 # each handle in the same order:
-# - Entry: sharded strategies gather the parameter shards to the source, within
-#   its replica; no other rank allocates the unsharded parameter. With
-#   ``with_grads=True``, the ranks agree whether any has a gradient, and if so
-#   gather the gradient shards the same way (zeros from a rank without one).
-#   ``NO_SHARD`` moves nothing; the source edits a copy of its gradient.
-# - Exit: the ranks agree whether the body succeeded everywhere, once per call
-#   and groups (a rank whose body raised gets here too, so none blocks). If not,
-#   nothing moves but ``NO_SHARD``'s rollback: the last rank broadcasts its
-#   parameter (with its own edits). Else the source zeros the padding and
-#   scatters each rank its shard of the parameter, then of the gradient
-#   (``NO_SHARD`` broadcasts); for hybrid sharding, its replica then broadcasts
-#   each shard to the others.
+# - Entry: with ``with_grads=True``, the ranks agree whether any has a
+#   gradient (see ``_agree_on_grads()``). The source allocates the unsharded
+#   parameter and gradient (``NO_SHARD``: copies of its parameter, to restore
+#   on failure, and of its gradient, to edit), then the ranks agree whether it
+#   succeeded: if not, every rank raises, with nothing changed. Then sharded
+#   strategies gather the shards to the source, within its replica (zeros from
+#   a rank without a gradient); no other rank allocates the unsharded ones.
+# - Exit: the ranks agree whether the body, and the source's entry after the
+#   gather (e.g. ``offload_to_cpu``), succeeded everywhere, once per call and
+#   groups (a rank whose body raised gets here too, so none blocks). If so,
+#   the source zeros the padding and scatters each rank its shard of the
+#   parameter, then of the gradient (``NO_SHARD`` broadcasts); for hybrid
+#   sharding, its replica then broadcasts each shard to the others. If not,
+#   the source's changes are discarded and nothing moves, but ``NO_SHARD``'s
+#   parameter: the source broadcasts its values from before, so that no rank
+#   keeps its own changes to a replica. A rank keeps its own changes to its
+#   shards and its gradient, as with ``writeback=False``.
 # - Frees: all handles' collectives run concurrently; once all finished, the
 #   source frees its unsharded parameters and gradients, and a rank without a
 #   gradient takes the one it received. If one failed, nothing is freed (it may
 #   still read its buffers). With ``offload_to_cpu=True`` on an accelerator,
 #   each handle finishes before the next exits: one unsharded handle at a time.
-# Not agreed on, as elsewhere in FSDP: a failure on entry (e.g. out of memory).
 
 
 # The state's process group, then for hybrid sharding its replicate group
@@ -165,11 +168,10 @@ def _scatter_from_rank0(
     padded: torch.Tensor | None,
     out: torch.Tensor,
     on_done: Callable[[], object] | None = None,
-    src: int = 0,
 ) -> None:
     """
     Starts writing the source's ``padded`` unsharded tensor to each rank's
-    shard ``out``; ``NO_SHARD`` broadcasts ``out`` from rank ``src``.
+    shard ``out``; ``NO_SHARD`` broadcasts the source's ``out``.
     """
     buffer = out
     on_done_list = [] if on_done is None else [on_done]
@@ -177,7 +179,7 @@ def _scatter_from_rank0(
         buffer = torch.empty_like(out, device=handle.device)
         on_done_list.insert(0, functools.partial(out.copy_, buffer))
     if not handle.uses_sharded_strategy:
-        work = dist.broadcast(buffer, group=groups[0], group_src=src, async_op=True)
+        work = dist.broadcast(buffer, group=groups[0], group_src=0, async_op=True)
     elif _is_rank0(groups, replica_only=True):
         chunks = None
         if padded is not None:
@@ -196,50 +198,70 @@ def _unshard_to_rank0(
     state: _FSDPState,
     groups: _Groups,
     handle: FlatParamHandle,
-    with_grads: bool,
-) -> tuple[bool, torch.Tensor | None]:
+    grads: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """
-    ``_unshard()`` and ``unshard_grad()`` to the source only. Returns whether any
-    rank has a gradient, and the source's padded one (``NO_SHARD``: its own).
+    ``_unshard()``, and with ``grads`` ``unshard_grad()``, to the source only.
+    Returns the source's copy of its ``NO_SHARD`` parameter, and its padded
+    unsharded gradient (``NO_SHARD``: its own).
     """
     flat_param, stream = handle.flat_param, state._device_handle.current_stream()
-    if not handle.uses_sharded_strategy:
-        _unshard(state, handle, stream, stream)
-    else:
-        with state._device_handle.stream(stream):
-            handle.pre_unshard()
-        # As `_unshard()`, to consume the events that `_reshard()` records
-        event = state._free_event_queue.dequeue_if_needed()
-        if state.limit_all_gathers and event:
-            event.synchronize()
-        with state._device_handle.stream(stream):
-            if handle.needs_unshard():
-                padded = None
-                if _is_rank0(groups):
-                    padded = handle._alloc_padded_unsharded_flat_param()
-                _gather_to_rank0(groups, flat_param.data, padded)
-            if _is_rank0(groups):
-                handle.unshard()  # only switches to the gathered parameter
-            handle.post_unshard()
-    grad = flat_param.grad
-    if not with_grads or _all_agree(groups, grad is None, handle.device):
-        return False, None
-    send = torch.zeros_like(flat_param._local_shard) if grad is None else grad
+    is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
+    with state._device_handle.stream(stream):
+        handle.pre_unshard()
+    # As `_unshard()`, to consume the events that `_reshard()` records
+    event = state._free_event_queue.dequeue_if_needed()
+    if state.limit_all_gathers and event:
+        event.synchronize()
+    gather, padded, before, grad = handle.needs_unshard(), None, None, None
+    error: Exception | None = None
+    if is_src:
+        try:
+            if gather:
+                padded = handle._alloc_padded_unsharded_flat_param()
+            if not sharded:
+                before = flat_param.detach().clone()
+            if grads:  # sharded: the gathered gradient; `NO_SHARD`: a copy to edit
+                local_shard = flat_param._local_shard
+                size = flat_param._padded_unsharded_size if sharded else None
+                size = size or local_shard.size()
+                grad = local_shard.new_empty(size, device=handle.device)
+        except Exception as e:
+            error = e
+    # The source allocated first: if it failed, every rank raises before the
+    # gather, so that none waits for it (and FSDP is idle again)
+    if not _all_agree(groups, error is None, handle.device):
+        _reshard(state, handle, gather)
+        handle._training_state = HandleTrainingState.IDLE
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            "summon_full_params(writeback=True, rank0_only=True) failed on rank "
+            "0 (see its error) before any data moved: nothing changed"
+        )
+    with state._device_handle.stream(stream):
+        if gather:
+            _gather_to_rank0(groups, flat_param.data, padded)
+        if is_src or not sharded:
+            handle.unshard()  # only switches to the gathered parameter
+        handle.post_unshard()
+    if not grads:
+        return before, None
+    own = flat_param.grad
+    send = torch.zeros_like(flat_param._local_shard) if own is None else own
     send = send.to(handle.device)
-    padded = None
-    if not handle.uses_sharded_strategy and _is_rank0(groups):
-        flat_param.grad = send.clone()
-    elif handle.uses_sharded_strategy:
-        flat_param._saved_grad_shard = grad
-        if _is_rank0(groups):
-            padded = send.new_empty(flat_param._padded_unsharded_size)
-        _gather_to_rank0(groups, send, padded)
-        if padded is not None:
-            size = flat_param._unpadded_unsharded_size
-            flat_param.grad = padded[: size.numel()].view(size)
-    if _is_rank0(groups) and handle._use_orig_params:
-        handle._use_unsharded_grad_views()
-    return True, padded if handle.uses_sharded_strategy else grad
+    if sharded:
+        flat_param._saved_grad_shard = own
+        _gather_to_rank0(groups, send, grad)
+    if is_src:
+        size = flat_param._unpadded_unsharded_size
+        flat_param.grad = grad[: size.numel()].view(size) if sharded else grad
+        if not sharded:
+            grad.copy_(send)
+            grad = own
+        if handle._use_orig_params:
+            handle._use_unsharded_grad_views()
+    return before, grad
 
 
 @contextlib.contextmanager
@@ -260,16 +282,20 @@ def _unshard_fsdp_state_params_from_rank0(
     if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
         groups += (state._inter_node_pg,)
     is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
-    handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
     _reset_flat_param_grad_info_if_needed(handle)
-    grads, grad = _unshard_to_rank0(state, groups, handle, with_grads)
+    grads = with_grads and _agree_on_grads(handle, groups)
+    handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    before, grad = _unshard_to_rank0(state, groups, handle, grads)
     body_succeeded = False
     try:
         if not is_src:
-            _reshard(state, handle, sharded)  # free early: its changes are discarded
+            # Free early, even if allocated before (a forward): it would go stale
+            _reshard(state, handle, sharded)
             yield
         else:
             with contextlib.ExitStack() as stack:
+                if grads:  # set back once the parameter is back on its device
+                    stack.callback(setattr, flat_param, "grad", flat_param.grad)
                 if offload_to_cpu and not flat_param.is_cpu:
                     cpu = handle.to_cpu() if sharded else _no_shard_to_cpu(handle)
                     stack.enter_context(cpu)
@@ -282,8 +308,10 @@ def _unshard_fsdp_state_params_from_rank0(
     finally:
         succeeded = call.agree(groups, body_succeeded, handle.device)
         if not sharded:
-            src = 0 if succeeded else handle.world_size - 1  # the rollback
-            _scatter_from_rank0(call, groups, handle, None, flat_param.data, src=src)
+            if not succeeded and before is not None:
+                with torch.no_grad():
+                    flat_param.copy_(before)  # the source's values from before
+            _scatter_from_rank0(call, groups, handle, None, flat_param.data)
         elif succeeded:
             padded = handle._get_padded_unsharded_flat_param() if is_src else None
             _scatter_from_rank0(call, groups, handle, padded, flat_param._local_shard)
@@ -368,30 +396,51 @@ def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
                 _register_flat_param(state, module)
 
 
-@torch.no_grad()
-def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
+def _agree_on_grads(handle: FlatParamHandle, groups) -> bool:
     """
-    ``_unshard_grads()``, but without ``use_orig_params`` the original
+    Returns whether any rank has a gradient, in one all-reduce over ``groups``.
+    A rank without one sends zeros in the parameter's dtype, so all ranks raise
+    if one has a gradient in another dtype: their collectives would not match.
+    Then the handle is idle again: nothing else changed.
+    """
+    grad, dtype = handle.flat_param.grad, handle.flat_param._local_shard.dtype
+    flags = [grad is not None, grad is not None and grad.dtype != dtype]
+    any_flags = torch.tensor(flags, dtype=torch.int32, device=handle.device)
+    for group in groups:  # for hybrid sharding, within the replica, then across
+        dist.all_reduce(any_flags, op=dist.ReduceOp.MAX, group=group)
+    any_grad, other_dtype = any_flags.tolist()
+    if other_dtype:
+        handle._training_state = HandleTrainingState.IDLE
+        raise NotImplementedError(
+            f"with_grads=True needs every rank's gradient in {dtype}: use "
+            "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
+        )
+    return bool(any_grad)
+
+
+@torch.no_grad()
+def _unshard_grads_for_summon(handle: FlatParamHandle, any_grad: bool) -> None:
+    """
+    ``FlatParamHandle.unshard_grad()`` once the ranks agreed whether any has a
+    gradient (``_agree_on_grads()``). Without ``use_orig_params``, the original
     parameters get their gradients from ``_unsharded_grad_views()`` once
     registered: before, they are views that refuse a gradient once the flat
     parameter changed in place (an optimizer step).
     """
-    if handle._use_orig_params or not handle.uses_sharded_strategy:
-        if handle._use_orig_params:
-            _unshard_grads(handle)
-        return
     flat_param = handle.flat_param
-    flat_param._saved_grad_shard = flat_param.grad
-    any_grad = torch.tensor([flat_param.grad is not None], device=handle.device)
-    dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=handle.process_group)
-    if any_grad.item():
+    if handle.uses_sharded_strategy:
+        flat_param._saved_grad_shard = flat_param.grad
+    if any_grad and handle.uses_sharded_strategy:
         grad = flat_param.grad
-        if grad is None:  # as `unshard_grad()` does
-            grad = torch.zeros(flat_param._sharded_size, device=handle.device)
+        if grad is None:  # as `unshard_grad()` does, in the parameter's dtype
+            grad = torch.zeros_like(flat_param._local_shard)
+        grad = grad.to(handle.device)
         padded = grad.new_empty(flat_param._padded_unsharded_size)
-        dist.all_gather_into_tensor(padded, grad, group=handle.process_group)
+        dist.all_gather_single(padded, grad, group=handle.process_group)
         size = flat_param._unpadded_unsharded_size
         flat_param.grad = padded[: size.numel()].view(size)
+    if handle._use_orig_params:
+        handle._use_unsharded_grad_views()
 
 
 @contextlib.contextmanager
@@ -400,6 +449,8 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
     Sets the original parameters' gradients to views into the unsharded one,
     on CPU if the parameters are (copied back upon exit if ``writeback=True``
     or for ``NO_SHARD``, whose changes persist regardless of ``writeback``).
+    Upon exit, an offloaded gradient is unset: the caller sets the unsharded one
+    back once the parameter is back on its device.
     """
     flat_param = handle.flat_param
     grad = flat_param.grad
@@ -418,8 +469,7 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
         if offloaded:
             if writeback or not handle.uses_sharded_strategy:
                 grad.copy_(flat_param.grad)
-            # The parameter moves back next: `.data` bypasses the device check
-            flat_param.grad.data = grad
+            flat_param.grad = None
 
 
 @contextlib.contextmanager
@@ -454,13 +504,13 @@ def _validate_unshard_params_args(
     handle = state._handle
     if writeback and rank0_only:
         # Rank 0 would edit the device copy, and resharding restore the CPU one
-        if handle and not handle.uses_sharded_strategy and handle._offload_params:
-            if handle.device.type != "cpu":
-                raise NotImplementedError(
-                    "writeback=True and rank0_only=True with NO_SHARD and "
-                    "CPUOffload(offload_params=True) is not supported yet. "
-                    "Use a sharded strategy, or rank0_only=False."
-                )
+        offload = handle and handle._offload_params and handle.device.type != "cpu"
+        if offload and not handle.uses_sharded_strategy:
+            raise NotImplementedError(
+                "writeback=True and rank0_only=True is not supported yet with "
+                "NO_SHARD and CPUOffload(offload_params=True) on an accelerator: "
+                "use rank0_only=False"
+            )
     if offload_to_cpu and not rank0_only:
         warnings.warn(
             "offload_to_cpu=True and rank0_only=False may result in the "
@@ -516,13 +566,16 @@ def _unshard_fsdp_state_params(
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
 
     _reset_flat_param_grad_info_if_needed(handle)
+    # Before the parameters move: if it raises, it does on every rank
+    sharded_grads = with_grads and handle.uses_sharded_strategy
+    any_grad = sharded_grads and _agree_on_grads(handle, (handle.process_group,))
     free_unsharded_flat_param = handle.needs_unshard()
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
     computation_stream = state._device_handle.current_stream()
     _unshard(state, handle, computation_stream, computation_stream)
     if with_grads:
-        _unshard_grads_for_summon(handle)
+        _unshard_grads_for_summon(handle, any_grad)
 
     if rank0_only and state.rank != 0:
         # Free the unsharded flattened parameter early
@@ -536,6 +589,9 @@ def _unshard_fsdp_state_params(
     else:
         # Unflatten the unsharded flattened parameters
         with contextlib.ExitStack() as stack:
+            if with_grads:  # set back once the parameter is back on its device
+                flat_param = handle.flat_param
+                stack.callback(setattr, flat_param, "grad", flat_param.grad)
             # Invariant: rank == 0 or !rank0_only
             on_cpu = handle.flat_param.is_cpu  # `to_cpu()` would free it
             if offload_to_cpu and handle.uses_sharded_strategy and not on_cpu:

@@ -887,8 +887,6 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
             changes will be discarded). In the case where FSDP does not shard
             the parameters, currently only when ``world_size == 1``, or ``NO_SHARD``
             config, the modification is persisted regardless of ``writeback``.
-            With ``rank0_only=True`` and ``writeback=True``, all of rank 0's
-            modifications persist on every rank (see ``rank0_only``).
         .. note:: This method works on modules which are not FSDP themselves but
             may contain multiple independent FSDP units. In that case, the given
             arguments will apply to all contained FSDP units.
@@ -909,12 +907,11 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 materialized on only global rank 0. This means that within the
                 context, only rank 0 will have full parameters and the other
                 ranks will have sharded parameters. With ``writeback=True``,
-                rank 0's changes are written back to every rank upon exit,
-                each rank receiving only its shard (for hybrid sharding, only
-                rank 0 of the first replica has full parameters); other ranks'
-                changes are discarded, and if the body raises on any rank,
-                nothing is written back. Not supported for ``NO_SHARD`` with
-                ``CPUOffload(offload_params=True)`` on an accelerator.
+                rank 0's changes are written back to every rank, over theirs;
+                if the body raises on any rank, nothing is (with ``NO_SHARD``,
+                all get rank 0's parameters from before; with sharding, a rank
+                keeps its own changes to its shard). Not for ``NO_SHARD`` with
+                ``CPUOffload`` on an accelerator.
             offload_to_cpu (bool, Optional): If ``True``, full parameters are
                 offloaded to CPU. For ``world_size = 1`` or ``NO_SHARD``
                 config, this is a CPU copy whose changes are copied back upon
@@ -925,7 +922,9 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 unsharded with the parameters (offloaded to CPU with
                 ``offload_to_cpu=True``). With ``writeback=True`` and
                 ``rank0_only=True``, rank 0's changes to the gradients are
-                written back to every rank too. (Default: ``False``)
+                written back to every rank too (if the body raises on any
+                rank, each rank keeps its gradient). The gradients must be in
+                the parameters' dtype on every rank. (Default: ``False``)
         """
         with _unshard_params(
             module, recurse, writeback, rank0_only, offload_to_cpu, with_grads

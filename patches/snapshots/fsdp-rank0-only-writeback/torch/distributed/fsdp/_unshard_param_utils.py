@@ -1,8 +1,7 @@
 # mypy: allow-untyped-defs
 import contextlib
-import functools
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import cast
 
 import torch
@@ -24,7 +23,6 @@ from torch.distributed.fsdp._runtime_utils import (
     _reshard,
     _reshard_grads,
     _unshard,
-    _unshard_grads,
 )
 from torch.distributed.utils import _p_assert
 
@@ -75,69 +73,12 @@ def _writeback_to_local_shard(
             existing_grad[: grad_shard.numel()].copy_(grad_shard)
 
 
-# NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
-# source is global rank 0: rank 0 of the state's process group and, for hybrid
-# sharding, of its replicate group. Every rank runs the same collectives for
-# each handle in the same order:
-# - Entry: sharded strategies gather the parameter shards to the source, within
-#   its replica; no other rank allocates the unsharded parameter.
-# - Exit: the ranks agree whether the body succeeded everywhere, once per call
-#   and groups (a rank whose body raised gets here too, so none blocks). If not,
-#   nothing moves but ``NO_SHARD``'s rollback: the last rank broadcasts its
-#   parameter (with its own edits). Else the source zeros the padding and
-#   scatters each rank its shard of the parameter (``NO_SHARD`` broadcasts);
-#   for hybrid sharding, its replica then broadcasts each shard to the others.
-# - Frees: all handles' collectives run concurrently; once all finished, the
-#   source frees its unsharded parameters. If one failed, nothing is freed (it
-#   may still read its buffers). With ``offload_to_cpu=True`` on an accelerator,
-#   each handle finishes before the next exits: one unsharded handle at a time.
-# Not agreed on, as elsewhere in FSDP: a failure on entry (e.g. out of memory).
-
-
-# The state's process group, then for hybrid sharding its replicate group
-_Groups = tuple[dist.ProcessGroup, ...]
-
-
-class _Rank0Writeback:
-    """What the FSDP states of one ``summon_full_params()`` call share."""
-
-    def __init__(self) -> None:
-        self.succeeded: dict[_Groups, bool] = {}
-        self.works: list[tuple[dist.Work, list[Callable[[], object]]]] = []
-        self.frees: list[Callable[[], None]] = []
-
-    def agree(self, groups: _Groups, ok: bool, device) -> bool:
-        # Once per groups: the states exit in the same order on every rank
-        if groups not in self.succeeded:
-            self.succeeded[groups] = _all_agree(groups, ok, device)
-        return self.succeeded[groups]
-
-    def wait(self) -> None:
-        """If a collective failed, raises once all finished and frees nothing."""
-        works, self.works, frees, self.frees = self.works, [], self.frees, []
-        error: Exception | None = None
-        for work, on_done in works:
-            try:
-                work.wait()
-                for fn in on_done:
-                    fn()
-            except Exception as e:
-                error = error or e
-        for free in frees if error is None else []:
-            try:
-                free()
-            except Exception as e:
-                error = error or e
-        if error is not None:
-            raise error
-
-
-def _is_rank0(groups: _Groups, replica_only=False) -> bool:
+def _is_rank0(groups: tuple[dist.ProcessGroup, ...], replica_only=False) -> bool:
     """Whether this rank is the source, or with ``replica_only`` in its replica."""
     return all(dist.get_rank(g) == 0 for g in groups[replica_only:])
 
 
-def _all_agree(groups: _Groups, value: bool, device) -> bool:
+def _all_agree(groups: tuple[dist.ProcessGroup, ...], value: bool, device) -> bool:
     result = torch.tensor([int(value)], dtype=torch.int32, device=device)
     # For hybrid sharding, the minimum within each replica, then across them
     for group in groups:
@@ -145,72 +86,31 @@ def _all_agree(groups: _Groups, value: bool, device) -> bool:
     return bool(result.item())
 
 
-def _gather_to_rank0(groups: _Groups, shard: torch.Tensor, padded) -> None:
-    """Gathers the shards into the source's ``padded`` (``None`` elsewhere)."""
-    if _is_rank0(groups, replica_only=True):
-        n = dist.get_world_size(groups[0])
-        chunks = None if padded is None else list(padded.chunk(n))
-        dist.gather(shard, chunks, group=groups[0], group_dst=0)
-
-
-def _scatter_from_rank0(
-    call: _Rank0Writeback,
-    groups: _Groups,
-    handle: FlatParamHandle,
-    padded: torch.Tensor | None,
-    out: torch.Tensor,
-    src: int = 0,
-) -> None:
+@torch.no_grad()
+def _writeback_from_rank0(groups, handle: FlatParamHandle, before) -> None:
     """
-    Starts writing the source's ``padded`` unsharded tensor to each rank's
-    shard ``out``; ``NO_SHARD`` broadcasts ``out`` from rank ``src``.
+    Scatters the source's unsharded parameter to each rank's shard (for hybrid
+    sharding, to its replica, which broadcasts it on); ``NO_SHARD`` broadcasts.
     """
-    buffer = out
-    on_done_list: list[Callable[[], object]] = []
+    flat_param = handle.flat_param
+    if not handle.uses_sharded_strategy:
+        if before is not None:
+            flat_param.copy_(before)
+        dist.broadcast(flat_param.data, group=groups[0], group_src=0)
+        return
+    out = buffer = flat_param._local_shard
     if out.device != handle.device:  # CPUOffload: collectives on the device
         buffer = torch.empty_like(out, device=handle.device)
-        on_done_list.append(functools.partial(out.copy_, buffer))
-    if not handle.uses_sharded_strategy:
-        work = dist.broadcast(buffer, group=groups[0], group_src=src, async_op=True)
-    elif _is_rank0(groups, replica_only=True):
+    if _is_rank0(groups, replica_only=True):
         chunks = None
-        if padded is not None:
-            padded[handle.flat_param._unpadded_unsharded_size.numel() :].zero_()
+        if _is_rank0(groups):
+            padded = handle._get_padded_unsharded_flat_param()
+            padded[flat_param._unpadded_unsharded_size.numel() :].zero_()
             chunks = list(padded.chunk(handle.world_size))
-        work = dist.scatter(buffer, chunks, group=groups[0], group_src=0, async_op=True)
+        dist.scatter(buffer, chunks, group=groups[0], group_src=0)
     if len(groups) > 1:
-        if _is_rank0(groups, replica_only=True):
-            work.wait()  # the source's replica sends on what it received
-        work = dist.broadcast(buffer, group=groups[1], group_src=0, async_op=True)
-    call.works.append((work, on_done_list))
-
-
-@torch.no_grad()
-def _unshard_to_rank0(
-    state: _FSDPState,
-    groups: _Groups,
-    handle: FlatParamHandle,
-) -> None:
-    """``_unshard()`` to the source only."""
-    flat_param, stream = handle.flat_param, state._device_handle.current_stream()
-    if not handle.uses_sharded_strategy:
-        _unshard(state, handle, stream, stream)
-    else:
-        with state._device_handle.stream(stream):
-            handle.pre_unshard()
-        # As `_unshard()`, to consume the events that `_reshard()` records
-        event = state._free_event_queue.dequeue_if_needed()
-        if state.limit_all_gathers and event:
-            event.synchronize()
-        with state._device_handle.stream(stream):
-            if handle.needs_unshard():
-                padded = None
-                if _is_rank0(groups):
-                    padded = handle._alloc_padded_unsharded_flat_param()
-                _gather_to_rank0(groups, flat_param.data, padded)
-            if _is_rank0(groups):
-                handle.unshard()  # only switches to the gathered parameter
-            handle.post_unshard()
+        dist.broadcast(buffer, group=groups[1], group_src=0)
+    out.copy_(buffer)
 
 
 @contextlib.contextmanager
@@ -219,27 +119,31 @@ def _unshard_fsdp_state_params_from_rank0(
     state: _FSDPState,
     handle: FlatParamHandle,
     offload_to_cpu: bool,
-    call: _Rank0Writeback | None,
 ) -> Generator:
     """
-    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``
-    (see the NOTE). Without a ``call`` of other states, it waits upon exit.
+    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``:
+    upon exit, the ranks agree whether the body succeeded everywhere (a rank
+    whose body raised gets there too, so none blocks). Only then, global rank 0
+    writes back its parameter; with ``NO_SHARD``, else its values from before.
     """
-    own_call, call = call is None, call or _Rank0Writeback()
     groups, flat_param = (state.process_group,), handle.flat_param
     if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
         groups += (state._inter_node_pg,)
     is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
     _reset_flat_param_grad_info_if_needed(handle)
-    _unshard_to_rank0(state, groups, handle)
-    body_succeeded = False
+    computation_stream = state._device_handle.current_stream()
+    _unshard(state, handle, computation_stream, computation_stream)
+    before, body_succeeded = None, False
     try:
         if not is_src:
-            _reshard(state, handle, sharded)  # free early: its changes are discarded
+            # Free early, even if allocated before (a forward): it would go stale
+            _reshard(state, handle, sharded)
             yield
         else:
             with contextlib.ExitStack() as stack:
+                if not sharded:
+                    before = flat_param.detach().clone()
                 if offload_to_cpu and not flat_param.is_cpu:
                     cpu = handle.to_cpu() if sharded else _no_shard_to_cpu(handle)
                     stack.enter_context(cpu)
@@ -248,23 +152,12 @@ def _unshard_fsdp_state_params_from_rank0(
                 yield
         body_succeeded = True
     finally:
-        succeeded = call.agree(groups, body_succeeded, handle.device)
-        if not sharded:
-            src = 0 if succeeded else handle.world_size - 1  # the rollback
-            _scatter_from_rank0(call, groups, handle, None, flat_param.data, src=src)
-        elif succeeded:
-            padded = handle._get_padded_unsharded_flat_param() if is_src else None
-            _scatter_from_rank0(call, groups, handle, padded, flat_param._local_shard)
-
-        def free() -> None:
-            if is_src:
-                # Even if allocated before (a forward), so no rank keeps a stale copy
-                _reshard(state, handle, sharded)
-            handle._training_state = HandleTrainingState.IDLE
-
-        call.frees.append(free)
-        if own_call or (offload_to_cpu and handle.device.type != "cpu"):
-            call.wait()
+        succeeded = _all_agree(groups, body_succeeded, handle.device)
+        if succeeded or not sharded:
+            _writeback_from_rank0(groups, handle, None if succeeded else before)
+        if is_src:
+            _reshard(state, handle, sharded)
+        handle._training_state = HandleTrainingState.IDLE
 
 
 def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
@@ -319,30 +212,51 @@ def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
                 _register_flat_param(state, module)
 
 
-@torch.no_grad()
-def _unshard_grads_for_summon(handle: FlatParamHandle) -> None:
+def _agree_on_grads(handle: FlatParamHandle, groups) -> bool:
     """
-    ``_unshard_grads()``, but without ``use_orig_params`` the original
+    Returns whether any rank has a gradient, in one all-reduce over ``groups``.
+    A rank without one sends zeros in the parameter's dtype, so all ranks raise
+    if one has a gradient in another dtype: their collectives would not match.
+    Then the handle is idle again: nothing else changed.
+    """
+    grad, dtype = handle.flat_param.grad, handle.flat_param._local_shard.dtype
+    flags = [grad is not None, grad is not None and grad.dtype != dtype]
+    any_flags = torch.tensor(flags, dtype=torch.int32, device=handle.device)
+    for group in groups:  # for hybrid sharding, within the replica, then across
+        dist.all_reduce(any_flags, op=dist.ReduceOp.MAX, group=group)
+    any_grad, other_dtype = any_flags.tolist()
+    if other_dtype:
+        handle._training_state = HandleTrainingState.IDLE
+        raise NotImplementedError(
+            f"with_grads=True needs every rank's gradient in {dtype}: use "
+            "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
+        )
+    return bool(any_grad)
+
+
+@torch.no_grad()
+def _unshard_grads_for_summon(handle: FlatParamHandle, any_grad: bool) -> None:
+    """
+    ``FlatParamHandle.unshard_grad()`` once the ranks agreed whether any has a
+    gradient (``_agree_on_grads()``). Without ``use_orig_params``, the original
     parameters get their gradients from ``_unsharded_grad_views()`` once
     registered: before, they are views that refuse a gradient once the flat
     parameter changed in place (an optimizer step).
     """
-    if handle._use_orig_params or not handle.uses_sharded_strategy:
-        if handle._use_orig_params:
-            _unshard_grads(handle)
-        return
     flat_param = handle.flat_param
-    flat_param._saved_grad_shard = flat_param.grad
-    any_grad = torch.tensor([flat_param.grad is not None], device=handle.device)
-    dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=handle.process_group)
-    if any_grad.item():
+    if handle.uses_sharded_strategy:
+        flat_param._saved_grad_shard = flat_param.grad
+    if any_grad and handle.uses_sharded_strategy:
         grad = flat_param.grad
-        if grad is None:  # as `unshard_grad()` does
-            grad = torch.zeros(flat_param._sharded_size, device=handle.device)
+        if grad is None:  # as `unshard_grad()` does, in the parameter's dtype
+            grad = torch.zeros_like(flat_param._local_shard)
+        grad = grad.to(handle.device)
         padded = grad.new_empty(flat_param._padded_unsharded_size)
-        dist.all_gather_into_tensor(padded, grad, group=handle.process_group)
+        dist.all_gather_single(padded, grad, group=handle.process_group)
         size = flat_param._unpadded_unsharded_size
         flat_param.grad = padded[: size.numel()].view(size)
+    if handle._use_orig_params:
+        handle._use_unsharded_grad_views()
 
 
 @contextlib.contextmanager
@@ -351,6 +265,8 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
     Sets the original parameters' gradients to views into the unsharded one,
     on CPU if the parameters are (copied back upon exit if ``writeback=True``
     or for ``NO_SHARD``, whose changes persist regardless of ``writeback``).
+    Upon exit, an offloaded gradient is unset: the caller sets the unsharded one
+    back once the parameter is back on its device.
     """
     flat_param = handle.flat_param
     grad = flat_param.grad
@@ -369,8 +285,7 @@ def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator
         if offloaded:
             if writeback or not handle.uses_sharded_strategy:
                 grad.copy_(flat_param.grad)
-            # The parameter moves back next: `.data` bypasses the device check
-            flat_param.grad.data = grad
+            flat_param.grad = None
 
 
 @contextlib.contextmanager
@@ -404,19 +319,14 @@ def _validate_unshard_params_args(
     """
     handle = state._handle
     if writeback and rank0_only:
-        if with_grads:
-            raise NotImplementedError(
-                "writeback=True and rank0_only=True with with_grads=True "
-                "is not supported yet"
-            )
         # Rank 0 would edit the device copy, and resharding restore the CPU one
-        if handle and not handle.uses_sharded_strategy and handle._offload_params:
-            if handle.device.type != "cpu":
-                raise NotImplementedError(
-                    "writeback=True and rank0_only=True with NO_SHARD and "
-                    "CPUOffload(offload_params=True) is not supported yet. "
-                    "Use a sharded strategy, or rank0_only=False."
-                )
+        offload = handle and handle._offload_params and handle.device.type != "cpu"
+        if with_grads or (offload and not handle.uses_sharded_strategy):
+            raise NotImplementedError(
+                "writeback=True and rank0_only=True is not supported yet with "
+                "with_grads=True, nor with NO_SHARD and CPUOffload(offload_params="
+                "True) on an accelerator: use rank0_only=False"
+            )
     if offload_to_cpu and not rank0_only:
         warnings.warn(
             "offload_to_cpu=True and rank0_only=False may result in the "
@@ -435,7 +345,6 @@ def _unshard_fsdp_state_params(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
-    rank0_writeback: _Rank0Writeback | None = None,
 ):
     """
     This unshards the parameters for a single FSDP state ``state`` that
@@ -464,7 +373,7 @@ def _unshard_fsdp_state_params(
 
     if writeback and rank0_only:
         with _unshard_fsdp_state_params_from_rank0(
-            module, state, handle, offload_to_cpu, rank0_writeback
+            module, state, handle, offload_to_cpu
         ):
             yield
         return
@@ -472,13 +381,16 @@ def _unshard_fsdp_state_params(
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
 
     _reset_flat_param_grad_info_if_needed(handle)
+    # Before the parameters move: if it raises, it does on every rank
+    sharded_grads = with_grads and handle.uses_sharded_strategy
+    any_grad = sharded_grads and _agree_on_grads(handle, (handle.process_group,))
     free_unsharded_flat_param = handle.needs_unshard()
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
     computation_stream = state._device_handle.current_stream()
     _unshard(state, handle, computation_stream, computation_stream)
     if with_grads:
-        _unshard_grads_for_summon(handle)
+        _unshard_grads_for_summon(handle, any_grad)
 
     if rank0_only and state.rank != 0:
         # Free the unsharded flattened parameter early
@@ -492,6 +404,9 @@ def _unshard_fsdp_state_params(
     else:
         # Unflatten the unsharded flattened parameters
         with contextlib.ExitStack() as stack:
+            if with_grads:  # set back once the parameter is back on its device
+                flat_param = handle.flat_param
+                stack.callback(setattr, flat_param, "grad", flat_param.grad)
             # Invariant: rank == 0 or !rank0_only
             if offload_to_cpu and handle.uses_sharded_strategy:
                 stack.enter_context(handle.to_cpu())
@@ -526,7 +441,6 @@ def _unshard_params_for_summon(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
-    rank0_writeback: _Rank0Writeback | None = None,
 ):
     _validate_unshard_params_args(
         state, writeback, rank0_only, offload_to_cpu, with_grads
@@ -547,7 +461,6 @@ def _unshard_params_for_summon(
         rank0_only=rank0_only,
         offload_to_cpu=offload_to_cpu,
         with_grads=with_grads,
-        rank0_writeback=rank0_writeback,
     ):
         try:
             state.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -578,11 +491,7 @@ def _unshard_params(
         states_and_modules = ([optional_state], [module])
     else:
         states_and_modules = traversal_utils._get_fsdp_states_with_modules(module)
-    rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
-        if rank0_writeback is not None:
-            # Exits last: the states' writebacks run concurrently
-            stack.callback(rank0_writeback.wait)
         for state, module in zip(*states_and_modules):
             stack.enter_context(
                 _unshard_params_for_summon(
@@ -592,7 +501,6 @@ def _unshard_params(
                     rank0_only=rank0_only,
                     offload_to_cpu=offload_to_cpu,
                     with_grads=with_grads,
-                    rank0_writeback=rank0_writeback,
                 )
             )
         yield

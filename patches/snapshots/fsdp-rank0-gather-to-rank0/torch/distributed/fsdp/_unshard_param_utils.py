@@ -1,0 +1,679 @@
+# mypy: allow-untyped-defs
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Generator
+from typing import cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp._traversal_utils as traversal_utils
+import torch.nn as nn
+from torch.distributed.fsdp._common_utils import (
+    _FSDPState,
+    _get_module_fsdp_state,
+    _has_fsdp_params,
+    _module_handle,
+    HandleTrainingState,
+    TrainingState,
+)
+from torch.distributed.fsdp._init_utils import HYBRID_SHARDING_STRATEGIES
+from torch.distributed.fsdp._runtime_utils import (
+    _lazy_init,
+    _reset_flat_param_grad_info_if_needed,
+    _reshard,
+    _reshard_grads,
+    _unshard,
+)
+from torch.distributed.utils import _p_assert
+
+from ._flat_param import FlatParamHandle
+
+
+FLAT_PARAM = "_flat_param"
+
+
+@torch.no_grad()
+def _writeback_to_local_shard(
+    handle: FlatParamHandle,
+    writeback_grad: bool,
+):
+    """
+    For the handle, writes back this rank's shard of the unsharded
+    flattened parameter to the sharded flattened parameter. If
+    ``writeback_grad=True``, then writes back to the sharded gradient as
+    well.
+
+    Precondition: The handle's ``FlatParameter`` 's data points to the
+    padded unsharded flattened parameter.
+    """
+
+    def _get_shard(flat_param_or_grad: torch.Tensor) -> torch.Tensor:
+        if handle.uses_sharded_strategy:
+            # For sharded strategies, get the *unpadded* shard instead of
+            # the *padded* shard to persist user changes to the padding
+            # (though FSDP does not explicitly support this)
+            shard, _ = FlatParamHandle._get_unpadded_shard(
+                flat_param_or_grad,
+                handle.rank,
+                handle.world_size,
+            )
+            return shard
+        # For `NO_SHARD`, the `flat_param` or its gradient may be modified,
+        # so we write it back directly
+        return flat_param_or_grad
+
+    param_shard = _get_shard(handle.flat_param)
+    handle.flat_param._local_shard[: param_shard.numel()].copy_(param_shard)  # type: ignore[attr-defined]
+    if writeback_grad:
+        existing_grad = handle.sharded_grad
+        if existing_grad is not None:
+            if handle.flat_param.grad is None:
+                raise AssertionError("Expected handle.flat_param.grad to not be None")
+            grad_shard = _get_shard(handle.flat_param.grad)
+            existing_grad[: grad_shard.numel()].copy_(grad_shard)
+
+
+# NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
+# source is global rank 0: rank 0 of the state's process group and, for hybrid
+# sharding, of its replicate group. Every rank runs the same collectives for
+# each handle in the same order:
+# - Entry: the source allocates the unsharded parameter (``NO_SHARD``: a
+#   copy of its parameter, to restore on failure), then the ranks agree whether
+#   it succeeded: if not, every rank raises, with nothing changed. Then sharded
+#   strategies gather the shards to the source, within its replica; no other
+#   rank allocates the unsharded parameter.
+# - Exit: the ranks agree whether the body, and the source's entry after the
+#   gather (e.g. ``offload_to_cpu``), succeeded everywhere, once per call and
+#   groups (a rank whose body raised gets here too, so none blocks). If so,
+#   the source zeros the padding and scatters each rank its shard of the
+#   parameter (``NO_SHARD`` broadcasts); for hybrid sharding, its replica then
+#   broadcasts each shard to the others. If not, the source's changes are
+#   discarded and nothing moves, but ``NO_SHARD``'s parameter: the source
+#   broadcasts its values from before, so that no rank keeps its own changes
+#   to a replica. A rank keeps its own changes to its shards, as with
+#   ``writeback=False``.
+# - Frees: all handles' collectives run concurrently; once all finished, the
+#   source frees its unsharded parameters. If one failed, nothing is freed (it
+#   may still read its buffers). With ``offload_to_cpu=True`` on an accelerator,
+#   each handle finishes before the next exits: one unsharded handle at a time.
+
+
+# The state's process group, then for hybrid sharding its replicate group
+_Groups = tuple[dist.ProcessGroup, ...]
+
+
+class _Rank0Writeback:
+    """What the FSDP states of one ``summon_full_params()`` call share."""
+
+    def __init__(self) -> None:
+        self.succeeded: dict[_Groups, bool] = {}
+        self.works: list[tuple[dist.Work, list[Callable[[], object]]]] = []
+        self.frees: list[Callable[[], None]] = []
+
+    def agree(self, groups: _Groups, ok: bool, device) -> bool:
+        # Once per groups: the states exit in the same order on every rank
+        if groups not in self.succeeded:
+            self.succeeded[groups] = _all_agree(groups, ok, device)
+        return self.succeeded[groups]
+
+    def wait(self) -> None:
+        """If a collective failed, raises once all finished and frees nothing."""
+        works, self.works, frees, self.frees = self.works, [], self.frees, []
+        error: Exception | None = None
+        for work, on_done in works:
+            try:
+                work.wait()
+                for fn in on_done:
+                    fn()
+            except Exception as e:
+                error = error or e
+        for free in frees if error is None else []:
+            try:
+                free()
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
+
+
+def _is_rank0(groups: _Groups, replica_only=False) -> bool:
+    """Whether this rank is the source, or with ``replica_only`` in its replica."""
+    return all(dist.get_rank(g) == 0 for g in groups[replica_only:])
+
+
+def _all_agree(groups: _Groups, value: bool, device) -> bool:
+    result = torch.tensor([int(value)], dtype=torch.int32, device=device)
+    # For hybrid sharding, the minimum within each replica, then across them
+    for group in groups:
+        dist.all_reduce(result, op=dist.ReduceOp.MIN, group=group)
+    return bool(result.item())
+
+
+def _gather_to_rank0(groups: _Groups, shard: torch.Tensor, padded) -> None:
+    """Gathers the shards into the source's ``padded`` (``None`` elsewhere)."""
+    if _is_rank0(groups, replica_only=True):
+        n = dist.get_world_size(groups[0])
+        chunks = None if padded is None else list(padded.chunk(n))
+        dist.gather(shard, chunks, group=groups[0], group_dst=0)
+
+
+def _scatter_from_rank0(
+    call: _Rank0Writeback,
+    groups: _Groups,
+    handle: FlatParamHandle,
+    padded: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """
+    Starts writing the source's ``padded`` unsharded tensor to each rank's
+    shard ``out``; ``NO_SHARD`` broadcasts the source's ``out``.
+    """
+    buffer = out
+    on_done: list[Callable[[], object]] = []
+    if out.device != handle.device:  # CPUOffload: collectives on the device
+        buffer = torch.empty_like(out, device=handle.device)
+        on_done.append(functools.partial(out.copy_, buffer))
+    if not handle.uses_sharded_strategy:
+        work = dist.broadcast(buffer, group=groups[0], group_src=0, async_op=True)
+    elif _is_rank0(groups, replica_only=True):
+        chunks = None
+        if padded is not None:
+            padded[handle.flat_param._unpadded_unsharded_size.numel() :].zero_()
+            chunks = list(padded.chunk(handle.world_size))
+        work = dist.scatter(buffer, chunks, group=groups[0], group_src=0, async_op=True)
+    if len(groups) > 1:
+        if _is_rank0(groups, replica_only=True):
+            work.wait()  # the source's replica sends on what it received
+        work = dist.broadcast(buffer, group=groups[1], group_src=0, async_op=True)
+    call.works.append((work, on_done))
+
+
+@torch.no_grad()
+def _unshard_to_rank0(
+    state: _FSDPState,
+    groups: _Groups,
+    handle: FlatParamHandle,
+) -> torch.Tensor | None:
+    """
+    ``_unshard()`` to the source only. Returns the source's copy of its
+    ``NO_SHARD`` parameter.
+    """
+    flat_param, stream = handle.flat_param, state._device_handle.current_stream()
+    is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
+    with state._device_handle.stream(stream):
+        handle.pre_unshard()
+    # As `_unshard()`, to consume the events that `_reshard()` records
+    event = state._free_event_queue.dequeue_if_needed()
+    if state.limit_all_gathers and event:
+        event.synchronize()
+    gather, padded, before = handle.needs_unshard(), None, None
+    error: Exception | None = None
+    if is_src:
+        try:
+            if gather:
+                padded = handle._alloc_padded_unsharded_flat_param()
+            if not sharded:
+                before = flat_param.detach().clone()
+        except Exception as e:
+            error = e
+    # The source allocated first: if it failed, every rank raises before the
+    # gather, so that none waits for it (and FSDP is idle again)
+    if not _all_agree(groups, error is None, handle.device):
+        _reshard(state, handle, gather)
+        handle._training_state = HandleTrainingState.IDLE
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            "summon_full_params(writeback=True, rank0_only=True) failed on rank "
+            "0 (see its error) before any data moved: nothing changed"
+        )
+    with state._device_handle.stream(stream):
+        if gather:
+            _gather_to_rank0(groups, flat_param.data, padded)
+        if is_src or not sharded:
+            handle.unshard()  # only switches to the gathered parameter
+        handle.post_unshard()
+    return before
+
+
+@contextlib.contextmanager
+def _unshard_fsdp_state_params_from_rank0(
+    module: nn.Module,
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    offload_to_cpu: bool,
+    call: _Rank0Writeback | None,
+) -> Generator:
+    """
+    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``
+    (see the NOTE). Without a ``call`` of other states, it waits upon exit.
+    """
+    own_call, call = call is None, call or _Rank0Writeback()
+    groups, flat_param = (state.process_group,), handle.flat_param
+    if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
+        groups += (state._inter_node_pg,)
+    is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
+    handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    _reset_flat_param_grad_info_if_needed(handle)
+    before = _unshard_to_rank0(state, groups, handle)
+    body_succeeded = False
+    try:
+        if not is_src:
+            # Free early, even if allocated before (a forward): it would go stale
+            _reshard(state, handle, sharded)
+            yield
+        else:
+            with contextlib.ExitStack() as stack:
+                if offload_to_cpu and not flat_param.is_cpu:
+                    cpu = handle.to_cpu() if sharded else _no_shard_to_cpu(handle)
+                    stack.enter_context(cpu)
+                if not state._use_orig_params:
+                    stack.enter_context(_unflatten_as_params(state, module))
+                yield
+        body_succeeded = True
+    finally:
+        succeeded = call.agree(groups, body_succeeded, handle.device)
+        if not sharded:
+            if not succeeded and before is not None:
+                with torch.no_grad():
+                    flat_param.copy_(before)  # the source's values from before
+            _scatter_from_rank0(call, groups, handle, None, flat_param.data)
+        elif succeeded:
+            padded = handle._get_padded_unsharded_flat_param() if is_src else None
+            _scatter_from_rank0(call, groups, handle, padded, flat_param._local_shard)
+
+        def free() -> None:
+            if is_src:
+                # Even if allocated before (a forward), so no rank keeps a stale copy
+                _reshard(state, handle, sharded)
+            handle._training_state = HandleTrainingState.IDLE
+
+        call.frees.append(free)
+        if own_call or (offload_to_cpu and handle.device.type != "cpu"):
+            call.wait()
+
+
+def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
+    """
+    De-registers the flattened parameter from the wrapped module, hiding it
+    from ``nn.Module`` methods.
+
+    We do not use ``del`` because we want ``FLAT_PARAM`` to always be an
+    attribute but dynamically change whether it is visible to ``nn.Module``
+    methods.
+    """
+    if _has_fsdp_params(state, module):
+        # TODO: figure out the case for the composable APIs.
+        cast(nn.Module, module.module)._parameters.pop(FLAT_PARAM, None)
+
+
+def _register_flat_param(state: _FSDPState, module: nn.Module) -> None:
+    """
+    Registers the flattened parameter to the wrapped module, making it
+    visible to ``nn.Module`` methods.
+
+    We do not use :meth:`nn.Module.register_parameter` because we want
+    ``FLAT_PARAM`` to always be an attribute but dynamically change whether
+    it is visible to ``nn.Module`` methods.
+    """
+    handle = _module_handle(state, module)
+    if _has_fsdp_params(state, module):
+        # TODO: figure out the case for the composable APIs.
+        cast(nn.Module, module.module)._parameters[FLAT_PARAM] = handle.flat_param
+
+
+@contextlib.contextmanager
+def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
+    """
+    Assumes that the flattened parameter is unsharded. When in the context,
+    de-registers the flattened parameter and unflattens the original
+    parameters as ``nn.Parameter`` views into the flattened parameter.
+    After the context, re-registers the flattened parameter and restores
+    the original parameters as ``Tensor`` views into the flattened
+    parameter.
+    """
+    handle = _module_handle(state, module)
+    if not handle:
+        yield
+    else:
+        _deregister_flat_param(state, module)
+        try:
+            with handle.unflatten_as_params():
+                yield
+        finally:
+            if not handle._use_orig_params:
+                _register_flat_param(state, module)
+
+
+def _agree_on_grads(handle: FlatParamHandle, groups) -> bool:
+    """
+    Returns whether any rank has a gradient, in one all-reduce over ``groups``.
+    A rank without one sends zeros in the parameter's dtype, so all ranks raise
+    if one has a gradient in another dtype: their collectives would not match.
+    Then the handle is idle again: nothing else changed.
+    """
+    grad, dtype = handle.flat_param.grad, handle.flat_param._local_shard.dtype
+    flags = [grad is not None, grad is not None and grad.dtype != dtype]
+    any_flags = torch.tensor(flags, dtype=torch.int32, device=handle.device)
+    for group in groups:  # for hybrid sharding, within the replica, then across
+        dist.all_reduce(any_flags, op=dist.ReduceOp.MAX, group=group)
+    any_grad, other_dtype = any_flags.tolist()
+    if other_dtype:
+        handle._training_state = HandleTrainingState.IDLE
+        raise NotImplementedError(
+            f"with_grads=True needs every rank's gradient in {dtype}: use "
+            "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
+        )
+    return bool(any_grad)
+
+
+@torch.no_grad()
+def _unshard_grads_for_summon(handle: FlatParamHandle, any_grad: bool) -> None:
+    """
+    ``FlatParamHandle.unshard_grad()`` once the ranks agreed whether any has a
+    gradient (``_agree_on_grads()``). Without ``use_orig_params``, the original
+    parameters get their gradients from ``_unsharded_grad_views()`` once
+    registered: before, they are views that refuse a gradient once the flat
+    parameter changed in place (an optimizer step).
+    """
+    flat_param = handle.flat_param
+    if handle.uses_sharded_strategy:
+        flat_param._saved_grad_shard = flat_param.grad
+    if any_grad and handle.uses_sharded_strategy:
+        grad = flat_param.grad
+        if grad is None:  # as `unshard_grad()` does, in the parameter's dtype
+            grad = torch.zeros_like(flat_param._local_shard)
+        grad = grad.to(handle.device)
+        padded = grad.new_empty(flat_param._padded_unsharded_size)
+        dist.all_gather_single(padded, grad, group=handle.process_group)
+        size = flat_param._unpadded_unsharded_size
+        flat_param.grad = padded[: size.numel()].view(size)
+    if handle._use_orig_params:
+        handle._use_unsharded_grad_views()
+
+
+@contextlib.contextmanager
+def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator:
+    """
+    Sets the original parameters' gradients to views into the unsharded one,
+    on CPU if the parameters are (copied back upon exit if ``writeback=True``
+    or for ``NO_SHARD``, whose changes persist regardless of ``writeback``).
+    Upon exit, an offloaded gradient is unset: the caller sets the unsharded one
+    back once the parameter is back on its device.
+    """
+    flat_param = handle.flat_param
+    grad = flat_param.grad
+    if grad is None:
+        # No rank has a gradient, and neither has any original parameter
+        yield
+        return
+    offloaded = grad.device != flat_param.device
+    if offloaded:
+        flat_param.grad = grad.to(flat_param.device)
+    if offloaded or not handle._use_orig_params:
+        handle._use_unsharded_grad_views()
+    try:
+        yield
+    finally:
+        if offloaded:
+            if writeback or not handle.uses_sharded_strategy:
+                grad.copy_(flat_param.grad)
+            flat_param.grad = None
+
+
+@contextlib.contextmanager
+def _no_shard_to_cpu(handle: FlatParamHandle) -> Generator:
+    """
+    ``FlatParamHandle.to_cpu()`` for ``NO_SHARD``, whose changes persist
+    regardless of ``writeback``: the CPU copy's values are copied back.
+    """
+    flat_param = handle.flat_param
+    device_flat_param = flat_param.data
+    handle.flat_param_to(torch.device("cpu"))
+    try:
+        yield
+    finally:
+        device_flat_param.copy_(flat_param.data)
+        flat_param.data = device_flat_param
+        handle._use_unsharded_views(as_params=handle._use_orig_params)
+
+
+def _validate_unshard_params_args(
+    state: _FSDPState,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> None:
+    """
+    Validates the options of ``summon_full_params()``. All combinations are
+    supported for every sharding strategy and ``use_orig_params``, except one
+    below. With ``NO_SHARD``, changes persist regardless of ``writeback``.
+    """
+    handle = state._handle
+    if writeback and rank0_only:
+        # Rank 0 would edit the device copy, and resharding restore the CPU one
+        offload = handle and handle._offload_params and handle.device.type != "cpu"
+        if with_grads or (offload and not handle.uses_sharded_strategy):
+            raise NotImplementedError(
+                "writeback=True and rank0_only=True is not supported yet with "
+                "with_grads=True, nor with NO_SHARD and CPUOffload(offload_params="
+                "True) on an accelerator: use rank0_only=False"
+            )
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "offload_to_cpu=True and rank0_only=False may result in the "
+            "unsharded parameters being redundantly copied to CPU memory for "
+            "GPUs sharing the same CPU memory, which risks CPU OOM. We "
+            "recommend using offload_to_cpu=True with rank0_only=True.",
+            stacklevel=2,
+        )
+
+
+@contextlib.contextmanager
+def _unshard_fsdp_state_params(
+    module: nn.Module,
+    state: _FSDPState,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+    rank0_writeback: _Rank0Writeback | None = None,
+):
+    """
+    This unshards the parameters for a single FSDP state ``state`` that
+    corresponds to ``module``.
+    """
+    _validate_unshard_params_args(
+        state, writeback, rank0_only, offload_to_cpu, with_grads
+    )
+    state._device_handle.synchronize()
+    # If handles are shared by other module(s), the handle may be already unsharded.
+    maybe_handle = _module_handle(state, module)
+    handle = None
+    if (
+        maybe_handle
+        and maybe_handle._training_state != HandleTrainingState.SUMMON_FULL_PARAMS
+    ):
+        handle = maybe_handle
+    if not handle:
+        yield
+        return
+
+    if handle._training_state != HandleTrainingState.IDLE:
+        raise AssertionError(
+            f"Expects the handle training to be IDLE but got {handle._training_state}"
+        )
+
+    if writeback and rank0_only:
+        with _unshard_fsdp_state_params_from_rank0(
+            module, state, handle, offload_to_cpu, rank0_writeback
+        ):
+            yield
+        return
+
+    handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+
+    _reset_flat_param_grad_info_if_needed(handle)
+    # Before the parameters move: if it raises, it does on every rank
+    sharded_grads = with_grads and handle.uses_sharded_strategy
+    any_grad = sharded_grads and _agree_on_grads(handle, (handle.process_group,))
+    free_unsharded_flat_param = handle.needs_unshard()
+    # No need to call `wait_stream()` since we unshard in the computation
+    # stream directly
+    computation_stream = state._device_handle.current_stream()
+    _unshard(state, handle, computation_stream, computation_stream)
+    if with_grads:
+        _unshard_grads_for_summon(handle, any_grad)
+
+    if rank0_only and state.rank != 0:
+        # Free the unsharded flattened parameter early
+        _reshard(state, handle, free_unsharded_flat_param)
+        if with_grads:
+            _reshard_grads(handle)
+        try:
+            yield
+        finally:
+            handle._training_state = HandleTrainingState.IDLE
+    else:
+        # Unflatten the unsharded flattened parameters
+        with contextlib.ExitStack() as stack:
+            if with_grads:  # set back once the parameter is back on its device
+                flat_param = handle.flat_param
+                stack.callback(setattr, flat_param, "grad", flat_param.grad)
+            # Invariant: rank == 0 or !rank0_only
+            if offload_to_cpu and handle.uses_sharded_strategy:
+                stack.enter_context(handle.to_cpu())
+                # NOTE: Since PyTorch enforces that a parameter and its
+                # gradients need to match metadata (e.g. device), we must
+                # move gradients to CPU *after* we move parameters.
+            elif offload_to_cpu and not handle.flat_param.is_cpu:
+                # `NO_SHARD` (a CPU copy of the parameter, as for sharding)
+                stack.enter_context(_no_shard_to_cpu(handle))
+            # NOTE: This assumes 1 `FlatParameter`
+            if not state._use_orig_params:
+                stack.enter_context(_unflatten_as_params(state, module))
+            if with_grads:
+                stack.enter_context(_unsharded_grad_views(handle, writeback))
+            try:
+                yield
+            finally:
+                stack.close()
+                if writeback:
+                    _writeback_to_local_shard(handle, with_grads)
+                _reshard(state, handle, free_unsharded_flat_param)
+                if with_grads:
+                    _reshard_grads(handle)
+                handle._training_state = HandleTrainingState.IDLE
+
+
+@contextlib.contextmanager
+def _unshard_params_for_summon(
+    module: nn.Module,
+    state: _FSDPState,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+    rank0_writeback: _Rank0Writeback | None = None,
+):
+    _validate_unshard_params_args(
+        state, writeback, rank0_only, offload_to_cpu, with_grads
+    )
+    _lazy_init(state, module)
+    if state.training_state == TrainingState.FORWARD_BACKWARD:
+        raise AssertionError(
+            "Cannot manually unshard parameters during forward/backward"
+        )
+    elif state.training_state == TrainingState.SUMMON_FULL_PARAMS:
+        raise AssertionError(
+            "Cannot manually unshard parameters when already unsharding parameters"
+        )
+    with _unshard_fsdp_state_params(
+        module=module,
+        state=state,
+        writeback=writeback,
+        rank0_only=rank0_only,
+        offload_to_cpu=offload_to_cpu,
+        with_grads=with_grads,
+        rank0_writeback=rank0_writeback,
+    ):
+        try:
+            state.training_state = TrainingState.SUMMON_FULL_PARAMS
+            yield
+        finally:
+            state.training_state = TrainingState.IDLE
+
+
+@contextlib.contextmanager
+def _unshard_params(
+    module: nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+):
+    """
+    This unshards FSDP-managed parameters for all modules with FSDP applied in
+    the module tree rooted at ``module``.
+    """
+    if not recurse:
+        optional_state = _get_module_fsdp_state(module)
+        if optional_state is None:
+            with contextlib.nullcontext():
+                yield
+            return
+        states_and_modules = ([optional_state], [module])
+    else:
+        states_and_modules = traversal_utils._get_fsdp_states_with_modules(module)
+    rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
+    with contextlib.ExitStack() as stack:
+        if rank0_writeback is not None:
+            # Exits last: the states' writebacks run concurrently
+            stack.callback(rank0_writeback.wait)
+        for state, module in zip(*states_and_modules):
+            stack.enter_context(
+                _unshard_params_for_summon(
+                    module=module,
+                    state=state,
+                    writeback=writeback,
+                    rank0_only=rank0_only,
+                    offload_to_cpu=offload_to_cpu,
+                    with_grads=with_grads,
+                    rank0_writeback=rank0_writeback,
+                )
+            )
+        yield
+
+
+def _deregister_orig_params(state: _FSDPState, module: nn.Module) -> None:
+    """
+    Deregisters the original parameters; registers the ``FlatParameter``.
+    """
+    handle = _module_handle(state, module)
+    if not handle:
+        return
+    _p_assert(
+        handle._use_orig_params,
+        f"Inconsistent `_use_orig_params` -- FSDP: {state._use_orig_params} "
+        f"handle: {handle._use_orig_params}",
+    )
+    handle._deregister_orig_params()
+    _register_flat_param(state, module)
+
+
+def _register_orig_params(state: _FSDPState, module: nn.Module) -> None:
+    """
+    Deregisters the ``FlatParameter``; registers the original parameters.
+    """
+    handle = _module_handle(state, module)
+    if not handle:
+        return
+    _deregister_flat_param(state, module)
+    if handle.is_sharded(handle.flat_param):
+        handle._use_sharded_views()
+        handle._use_sharded_grad_views()
+    else:
+        handle._use_unsharded_views(as_params=True)

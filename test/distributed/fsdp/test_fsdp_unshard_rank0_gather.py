@@ -1,0 +1,194 @@
+# Owner(s): ["oncall: distributed"]
+
+import contextlib
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp._common_utils import HandleTrainingState
+from torch.distributed.fsdp._flat_param import FlatParamHandle
+from torch.profiler import profile, ProfilerActivity
+from torch.testing._internal.common_utils import run_tests
+
+from common_fsdp_unshard import BodyError
+from test_fsdp_unshard_rank0_writeback import (
+    _edit,
+    _Rank0WritebackTest,
+    _summon_rank0,
+    BOTH,
+    FULL,
+    GRAD_OP,
+    HYBRID,
+)
+
+
+class _Rank0GatherTest(_Rank0WritebackTest):
+    def _test_allocate_at_most_a_shard(self, with_grads: bool, **kwargs) -> None:
+        """No allocation on the other ranks exceeds a shard; one unit dwarfs others."""
+        torch.manual_seed(0)
+        model = self._wrap(
+            nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3)), **kwargs
+        )
+        if with_grads:
+            model(torch.randn(2, 256, device=self.device)).sum().backward()
+        # Lazy initialization allocates on its own: keep it out of the measurement
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            pass
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+        with profile(activities=activities, profile_memory=True) as prof:
+            with _summon_rank0(model, with_grads=with_grads):
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+        usage = "cpu" if self.device.type == "cpu" else "device"
+        events = [e for e in prof.events() if e.name == "[memory]"]
+        largest = max([getattr(e, f"{usage}_memory_usage") for e in events] + [0])
+        handles = [m._handle for m in FSDP.fsdp_modules(model)]
+        itemsize = handles[0].flat_param.element_size()
+        shard = max(h.flat_param._local_shard.numel() for h in handles) * itemsize
+        full = max(h.flat_param._padded_unsharded_size.numel() for h in handles)
+        if self.rank == 0:
+            self.assertGreaterEqual(largest, full * itemsize)
+        else:
+            self.assertLessEqual(largest, shard, f"rank {self.rank} (full: {full})")
+
+    def _test_rank0_allocation_fails(self, with_grads, fail_at, **kwargs):
+        """
+        Rank 0 fails to allocate a unit's unsharded parameter (out of memory), the
+        first unit's or the second's: every rank raises before that unit's gather,
+        with nothing changed and FSDP idle again.
+        """
+        model, reference = self._models(with_grads, **kwargs)
+        alloc, calls = FlatParamHandle._alloc_padded_unsharded_flat_param, []
+
+        def failing_alloc(handle):
+            calls.append(handle)
+            if len(calls) == fail_at + 1:
+                raise torch.OutOfMemoryError("rank 0 is out of memory")
+            return alloc(handle)
+
+        name = "_alloc_padded_unsharded_flat_param"
+        fails = mock.patch.object(FlatParamHandle, name, failing_alloc)
+        if self.rank == 0:
+            raises = self.assertRaisesRegex(torch.OutOfMemoryError, "out of memory")
+        else:
+            raises = self.assertRaisesRegex(RuntimeError, "failed on rank 0 .* moved")
+        with fails if self.rank == 0 else contextlib.nullcontext(), raises:
+            with _summon_rank0(model, with_grads=with_grads):
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+        self._check_idle_and_resharded(model)
+        self._check_full(model, reference, with_grads)
+        self._check_writeback(model, reference, with_grads)
+
+    def _test_collectives(self, fail, with_grads: bool) -> None:
+        """
+        Every unit's scatter starts before any is waited for; rank 0 frees once all
+        finished, nothing if one failed (NCCL may still read the buffer), and the other
+        units if freeing one fails; a rank without a gradient gets none on failure.
+        """
+        model, reference = self._models(backward=with_grads, use_orig_params=True)
+        if self.rank != 0:
+            model.zero_grad(set_to_none=True)
+        scatter, reshard, events, failed = (
+            dist.scatter,
+            unshard_param_utils._reshard,
+            [],
+            [],
+        )
+
+        def recording_scatter(*args, **kwargs):
+            n, work = events.count("scatter"), scatter(*args, **kwargs)
+            events.append("scatter")
+            # The first unit's parameter scatter fails, or each gradient scatter
+            fails = fail == "scatter" and (n % 2 == 1 if with_grads else n == 0)
+
+            def wait():
+                work.wait()
+                events.append("wait")
+                if fails:
+                    raise BodyError("scatter failed")
+
+            return mock.Mock(wait=wait)
+
+        def recording_reshard(state, *args):
+            events.append("reshard")
+            if fail == "free" and "wait" in events and not failed:
+                failed.append(state)
+                raise BodyError("free failed")
+            return reshard(state, *args)
+
+        raises = fail == "scatter" or (fail == "free" and self.rank == 0)
+        with (
+            mock.patch.object(dist, "scatter", recording_scatter),
+            mock.patch.object(unshard_param_utils, "_reshard", recording_reshard),
+            self.assertRaises(BodyError) if raises else contextlib.nullcontext(),
+        ):
+            with _summon_rank0(model, with_grads=with_grads):
+                events.clear()  # the other ranks reshard early, on entry
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+        n, frees = 2 + 2 * with_grads, 2 * (self.rank == 0 and fail != "scatter")
+        self.assertEqual(events, ["scatter"] * n + ["wait"] * n + ["reshard"] * frees)
+        if fail == "scatter":
+            failed = FSDP.fsdp_modules(model)
+        for state in failed:  # left as the failure left it
+            handle = state._handle
+            self.assertEqual(
+                handle._training_state, HandleTrainingState.SUMMON_FULL_PARAMS
+            )
+            allocated = handle.flat_param._full_param_padded.untyped_storage()
+            self.assertEqual(allocated.size() > 0, self.rank == 0)
+            if with_grads and self.rank != 0:
+                self.assertIsNone(handle.flat_param.grad)
+            unshard_param_utils._reshard(state, handle, True)
+            handle._training_state = HandleTrainingState.IDLE
+        self._check_idle_and_resharded(model)
+        if fail != "scatter":
+            _edit(list(reference.parameters()), with_grads)
+            self._check_full(model, reference, with_grads)
+
+
+class TestUnshardRank0Gather(_Rank0GatherTest):
+    """
+    ``summon_full_params(writeback=True, rank0_only=True)`` on two ranks: only rank 0
+    allocates the unsharded parameters, and the units' writebacks run concurrently.
+    """
+
+    world_size = 2
+
+    def test_rank0_writeback_other_ranks_allocate_at_most_a_shard(self):
+        config = {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH}
+        self.run_subtests(config, self._test_allocate_at_most_a_shard, with_grads=False)
+
+    def test_rank0_writeback_rank0_allocation_fails(self):
+        config = {"sharding_strategy": [FULL, GRAD_OP], "fail_at": [0, 1]}
+        self.run_subtests(config, self._test_rank0_allocation_fails, with_grads=False)
+
+    def test_rank0_writeback_collectives(self):
+        config = {"fail": [None, "scatter", "free"]}
+        self.run_subtests(config, self._test_collectives, with_grads=False)
+
+
+class TestUnshardRank0GatherHybrid(_Rank0GatherTest):
+    """Hybrid sharding on a 2 x 2 mesh: only rank 0's replica gathers, to rank 0."""
+
+    world_size = 4
+
+    def test_rank0_writeback_hybrid_shard_allocate_at_most_a_shard(self):
+        mesh = init_device_mesh(self.device.type, (2, 2))
+        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
+        self.run_subtests(
+            config,
+            self._test_allocate_at_most_a_shard,
+            device_mesh=mesh,
+            with_grads=False,
+        )
+
+
+if __name__ == "__main__":
+    run_tests()
