@@ -221,10 +221,10 @@ def _pre_dp_module_transform(module: nn.Module) -> Callable[[], None]:
     parameters; DDP reduces the gradients of their local tensors, through leaf
     parameters sharing their storage. Until the returned function is called
     (or the first forward), the leaves replace the DTensor parameters in
-    ``module``, for DDP to build its reducer from them. During the forward of each module owning DTensor
-    parameters, they are DTensor views of the leaves, so gradients reach the
-    leaves; after backward, each DTensor parameter's ``.grad`` is a DTensor
-    view of its leaf's reduced gradient.
+    ``module``, for DDP to build its reducer from them. During the forward of
+    each module owning DTensor parameters, they are DTensor views of the
+    leaves, so gradients reach the leaves; after backward, each DTensor
+    parameter's ``.grad`` is a DTensor view of its leaf's reduced gradient.
 
     For now, this API only works with ``DistributedDataParallel``. It will later support
     other DP methods such as FSDP.
