@@ -115,7 +115,7 @@ clean:
 bench-unshard: install
 	$(PY) -m tools.bench_unshard
 
-# TP + DDP: swap-hook cost vs a bare DTensor.from_local loop; step time vs stock DDP and FSDP2 (4 ranks, CPU; ~1 min).
+# TP + DDP: the view hooks' cost vs a bare DTensor.from_local loop; step time vs stock DDP, FSDP2 and replicate_with_fsdp (4 ranks, CPU; ~2 min; --foreach via python -m tools.bench_tp_ddp).
 bench-tp-ddp: install
 	$(PY) -m tools.bench_tp_ddp
 
