@@ -190,26 +190,20 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         reference, model = self.build(mesh, frozen_tied, use_checkpoint=wrap == "ddp")
         # Built before wrapping, as TP alone allows: it holds the same parameters.
         optims = self.train(mesh, [(None, model), (None, reference)], [])
-        options = {
-            "bucket_view_static_graph": {
-                "gradient_as_bucket_view": True,
-                "static_graph": True,
-            },
-            "find_unused_parameters": {"find_unused_parameters": True},
-        }.get(wrap, {})
-        ddp = self.wrap(
-            mesh, model, "replicate" if wrap == "replicate" else "ddp", **options
-        )
+        static = {"gradient_as_bucket_view": True, "static_graph": True}
+        options = static if wrap == "bucket_view_static_graph" else {}
+        if wrap.endswith("find_unused_parameters"):
+            options["find_unused_parameters"] = True
+        ddp = self.wrap(mesh, model, wrap.split("_")[0], **options)
         ref_ddp = self.ref_ddp(mesh, reference, **options)
         for step in range(4):
-            if wrap == "find_unused_parameters":
+            if "find_unused_parameters" in options:
                 # Unused on one DP rank only, or on every rank.
                 unused = {1} if step == 3 or mesh["dp"].get_local_rank() else set()
                 model.skipped = reference.skipped = unused if step % 2 else set()
             x = self.inputs(mesh, step)
-            # Cleared before the forward, or between it and backward (not
-            # supported with parameters unused on some ranks only).
-            before = step == 3 or wrap == "find_unused_parameters"
+            # Cleared before the forward, or between it and backward.
+            before = step == 3
             for optim in optims if before else []:
                 optim.zero_grad()
             loss, ref_loss = ddp(x).pow(2).sum(), ref_ddp(x).pow(2).sum()
@@ -227,7 +221,10 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         """Losses, DTensor gradients and parameters match a non-TP DDP reference."""
         wraps = ["ddp", "bucket_view_static_graph", "find_unused_parameters"]
         self.run_subtests(
-            {"wrap": [*wraps, "replicate"], "frozen_tied": [False, True]},
+            {
+                "wrap": [*wraps, "replicate_find_unused_parameters"],
+                "frozen_tied": [False, True],
+            },
             self._check_parity,
         )
 

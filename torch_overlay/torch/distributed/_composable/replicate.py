@@ -120,6 +120,8 @@ class _ReplicateState(_State):
             kwargs.pop("device_id")
 
         self._ddp = DistributedDataParallel(self._param_list, **kwargs)
+        if local_params.leaves:  # for DDP's start of backward
+            self._ddp._dtensor_params = local_params
         # Weakref to the DDP instance is currently only used for testing.
         replicate.state(self.module)._ddp_weakref = weakref.ref(self._ddp)
 

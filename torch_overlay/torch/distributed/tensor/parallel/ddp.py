@@ -1,5 +1,4 @@
 # mypy: allow-untyped-defs
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -69,6 +68,9 @@ class _LocalParams:
         for owner, name, param in self.swapped:
             owner._parameters[name] = param
         self.swapped.clear()
+
+    def start_grads(self) -> None:
+        _start_leaf_grads(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # Deep copies start without views and accumulators (not copyable).
@@ -171,8 +173,8 @@ def _start_leaf_grad(state: _LocalParams, leaf: nn.Parameter, param: DTensor) ->
 
 
 def _start_leaf_grads(state: _LocalParams, *_: Any) -> None:
-    # Also the leaves this backward will not reach, whose gradients DDP reads
-    # (``find_unused_parameters``), before any hook of ours would run.
+    # Also the leaves a backward will not reach, whose gradients DDP reads
+    # (find_unused_parameters): at the forward, and where DDP's backward starts.
     if not torch.compiler.is_compiling():
         for leaf, param in state.slots():
             if leaf.requires_grad:
@@ -236,12 +238,12 @@ def _localize_dtensor(
     return state
 
 
-def _pre_dp_module_transform(module: nn.Module) -> Callable[[], None]:
+def _pre_dp_module_transform(module: nn.Module) -> _LocalParams:
     """
     Enable the composability between Tensor Parallelism (TP) and Data
     Parallelism(DP) in PyTorch when using DDP. The module keeps its DTensor
     parameters; DDP reduces the gradients of their local tensors, through leaf
-    parameters sharing their storage. Until the returned function is called
+    parameters sharing their storage. Until the returned state's ``restore()``
     (or the first forward), the leaves replace the DTensor parameters in
     ``module``, for DDP to build its reducer from them. During the forward of
     each module owning DTensor parameters, they are DTensor views of the
@@ -275,4 +277,4 @@ def _pre_dp_module_transform(module: nn.Module) -> Callable[[], None]:
             owner, attr = _get_submodule_n_params(module, name)
             owner._parameters[attr] = state.leaves[param]
             state.swapped.append((owner, attr, param))
-    return state.restore
+    return state

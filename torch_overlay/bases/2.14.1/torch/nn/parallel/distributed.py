@@ -395,6 +395,10 @@ class _DDPSink(Function):
         # Enqueue delay allreduce for static graph training on the first
         # iteration.
         ddp_weakref = ctx.ddp_weakref()
+        dtensor_params = getattr(ddp_weakref, "_dtensor_params", None)
+        if dtensor_params is not None:
+            # Before the reducer reads the gradients of unused parameters.
+            dtensor_params.start_grads()
         reducer = ddp_weakref.reducer
         static_graph = ddp_weakref.static_graph
         delay_ar_enqueued = (
@@ -856,7 +860,7 @@ class DistributedDataParallel(Module, Joinable):
                 "need to be set at the same time.",
             )
 
-        restore_dtensor_params = None
+        self._dtensor_params = None
         if process_group and device_mesh is not None:
             raise RuntimeError(
                 "Cannot specify both process_group and device_mesh arguments."
@@ -886,7 +890,7 @@ class DistributedDataParallel(Module, Joinable):
                     _pre_dp_module_transform,
                 )
 
-                restore_dtensor_params = _pre_dp_module_transform(module)
+                self._dtensor_params = _pre_dp_module_transform(module)
 
         self._delay_all_reduce_params = []
         if hasattr(module, "_ddp_params_and_buffers_to_ignore"):
@@ -1080,10 +1084,10 @@ class DistributedDataParallel(Module, Joinable):
 
         # In debug mode, build a mapping of parameter index -> parameter.
         param_to_name_mapping = self._build_debug_param_to_name_mapping(parameters)
-        if restore_dtensor_params is not None:
+        if self._dtensor_params is not None:
             # The reducer holds the local tensors of the DTensor parameters,
             # which the module holds again.
-            restore_dtensor_params()
+            self._dtensor_params.restore()
 
         # Builds reducer.
         self._ddp_init_helper(
