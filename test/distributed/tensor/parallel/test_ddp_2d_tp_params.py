@@ -194,7 +194,8 @@ class TestDDP2DTPParams(DTensorContinuousTestBase):
         options = static if wrap == "bucket_view_static_graph" else {}
         if wrap.endswith("find_unused_parameters"):
             options["find_unused_parameters"] = True
-        ddp = self.wrap(mesh, model, wrap.split("_")[0], **options)
+        wrapper = "replicate" if wrap.startswith("replicate") else "ddp"
+        ddp = self.wrap(mesh, model, wrapper, **options)
         ref_ddp = self.ref_ddp(mesh, reference, **options)
         for step in range(4):
             if "find_unused_parameters" in options:

@@ -119,7 +119,6 @@ def _view(state: _LocalParams, owner: nn.Module, name: str, leaf, param) -> DTen
 def _enter_dtensor_views(state: _LocalParams, module: nn.Module, *_: Any) -> None:
     if state.swapped:  # DDP was built by ``_pre_dp_module_transform`` alone
         state.restore()
-    state.sync_queued = False
     state.depth[module] += 1
     if state.depth[module] == 1:
         for name, leaf in state.owners[module].items():
@@ -175,6 +174,7 @@ def _start_leaf_grad(state: _LocalParams, leaf: nn.Parameter, param: DTensor) ->
 def _start_leaf_grads(state: _LocalParams, *_: Any) -> None:
     # Also the leaves a backward will not reach, whose gradients DDP reads
     # (find_unused_parameters): at the forward, and where DDP's backward starts.
+    state.sync_queued = False  # also after a backward that raised
     if not torch.compiler.is_compiling():
         for leaf, param in state.slots():
             if leaf.requires_grad:

@@ -97,7 +97,6 @@ def _view(leaf: nn.Parameter, param: DTensor) -> DTensor:
 def _enter_dtensor_views(state: _LocalParams, module: nn.Module, *_: Any) -> None:
     if state.swapped:  # DDP was built by ``_pre_dp_module_transform`` alone
         state.restore()
-    state.sync_queued = False
     state.depth[module] += 1
     if state.depth[module] == 1:
         for name, leaf in state.owners[module].items():
@@ -153,6 +152,7 @@ def _start_leaf_grad(state: _LocalParams, leaf: nn.Parameter, param: DTensor) ->
 def _start_leaf_grads(state: _LocalParams, *_: Any) -> None:
     # Also the leaves a backward will not reach, whose gradients DDP reads
     # (find_unused_parameters): at the forward, and where DDP's backward starts.
+    state.sync_queued = False  # also after a backward that raised
     if not torch.compiler.is_compiling():
         for leaf, param in state.slots():
             if leaf.requires_grad:
