@@ -115,7 +115,8 @@ clean:
 bench-unshard: install
 	$(PY) -m tools.bench_unshard
 
-# TP + DDP: the view hooks' cost vs a bare DTensor.from_local loop; step time vs stock DDP, FSDP2 and replicate_with_fsdp (4 ranks, CPU; ~2 min; --foreach via python -m tools.bench_tp_ddp).
+# TP + DDP: a launch-bound step in one process (plain and TP, alone and under DDP, eager and compiled), then the
+# step vs stock DDP, FSDP2 and replicate_with_fsdp (4 ranks, CPU; ~4 min; --foreach via python -m tools.bench_tp_ddp).
 bench-tp-ddp: install
 	$(PY) -m tools.bench_tp_ddp
 

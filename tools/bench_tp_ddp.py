@@ -1,12 +1,10 @@
 """Benchmark: TP + DDP on a 2x2 (dp x tp) mesh, 4 ranks, CPU/gloo, stock and overlay side by side in one run.
 
-1. Swap hooks: the per-forward cost of the hooks ``DDP(device_mesh=...)`` registers, for a model with >= 256
-   DTensor parameters: the overlay's (each owner's forward pre-hook puts its cached DTensor view of each TP
-   parameter in place, after checking it is still valid; its forward hook drops it) and
-   stock's (the root's two hooks, once the first forward has turned the TP parameters into plain DTensor
-   attributes), against a bare loop of ``DTensor.from_local`` over the same local parameters (what building a
-   view per parameter and forward costs). Hooks are called directly, so the figure is the hooks alone,
-   without any forward compute.
+1. Launch-bound step, one process (a 1 x 1 mesh, world size 1): a model of tiny layers, where the step is all
+   Python and dispatch, as on a GPU: the same model without and with TP (DTensor parameters), each alone and under
+   DDP (the overlay's; stock's DDP(TP) too), eager and compiled (inductor). DDP's added milliseconds over TP alone
+   are printed next to its added milliseconds over the plain model: DDP should cost a TP model what it costs a
+   plain one.
 2. Training step (forward, backward, SGD step) of a 16-block TP MLP (ColwiseParallel/RowwiseParallel):
    (a) overlay ``DDP(device_mesh=mesh["dp"])``; (b) stock ``DDP(device_mesh=mesh["dp"])``; (c) FSDP2
    ``fully_shard(mesh=mesh["dp"])`` per block and at the root, over the same TP model (overlay active; FSDP2 is
@@ -141,76 +139,111 @@ def _warm_up(step: Callable[[], None]) -> tuple[int, tuple[int, int], bool]:
     return steps, (end[0] - start[0], end[1] - start[1]), not compiled
 
 
-def _hook_figures(mesh, params: int, iters: int, repeats: int) -> dict[str, list[float]]:
-    from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class Tiny(nn.Module):
+    """Tiny layers: the step is launch (dispatch) bound."""
+
+    def __init__(self, blocks: int = 8, dim: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, 2 * dim) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _launch_worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
+    """One process: Tiny without and with TP, alone and under DDP, eager and compiled."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import torch_overlay
 
-    def hooks_of(model: nn.Module, names: set[str]) -> Callable[[], None]:
-        """Call the named forward pre-hooks and forward hooks of every module of ``model``, as one forward does."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
 
-        def name(hook) -> str:  # the overlay registers functools.partial objects
-            return getattr(hook, "func", hook).__name__
+    def model(tp: bool, cls: type[nn.Module] = Tiny) -> nn.Module:
+        torch.manual_seed(0)
+        m = cls()
+        if tp:
+            plan = {
+                f"blocks.{i}.{n}": s()
+                for i in range(len(m.blocks))
+                for n, s in (("w1", ColwiseParallel), ("w2", RowwiseParallel))
+            }
+            parallelize_module(m, mesh["tp"], plan)
+        return m
 
-        pre = [(m, h) for m in model.modules() for h in m._forward_pre_hooks.values() if name(h) in names]
-        post = [(m, h) for m in model.modules() for h in m._forward_hooks.values() if name(h) in names]
-        assert pre and post, names
-
-        def call() -> None:
-            for module, hook in pre:
-                hook(module, ())
-            for module, hook in post:
-                hook(module, (), None)
-
-        return call
-
-    # params / 2 linear layers (weight and bias), each its own owner module; tiny so that the swap dominates.
-    blocks, x = params // 4, torch.randn(4, 8)
+    # DDP's class is served: look it up after each switch.
     torch_overlay.deactivate()
-    stock_model = _tp_model(mesh, blocks, 8, 8)
-    DDP(stock_model, device_mesh=mesh["dp"])(x).sum().backward()  # stock's steady state: after one forward
+    stock = torch.nn.parallel.DistributedDataParallel(model(True), device_mesh=mesh["dp"])
     torch_overlay.activate()
-    model = _tp_model(mesh, blocks, 8, 8)
-    DDP(model, device_mesh=mesh["dp"])
-    locals_ = [p for p in model.parameters() if isinstance(p, DTensor)]
-    assert len(locals_) >= params, len(locals_)
-    specs = [(p.to_local(), p._spec) for p in locals_]
-    # The hooks DDP(device_mesh=...) registers (the root's and, in the overlay, each owner's), not the
-    # input/output hooks of ColwiseParallel/RowwiseParallel.
-    transform = {"_reconstruct_dtensor", "_localize_dtensor"}
-    runs = {
-        "stock": hooks_of(stock_model, transform),
-        "hooks": hooks_of(model, transform | {"_enter_dtensor_views", "_exit_dtensor_views"}),
+    DDP = torch.nn.parallel.DistributedDataParallel
+    configs = {
+        "plain": model(False),
+        "plain_ddp": DDP(model(False), device_mesh=mesh["dp"]),
+        "tp": model(True),
+        "tp_ddp": DDP(model(True), device_mesh=mesh["dp"]),
+        "tp_ddp_stock": stock,
     }
+    if not args.no_compile:  # each compiled model with its own code objects, see _own_code
+        for key in ("plain", "plain_ddp", "tp", "tp_ddp"):
+            m = model(key.startswith("tp"), _own_code(Tiny))
+            configs[f"{key}_compiled"] = torch.compile(DDP(m, device_mesh=mesh["dp"]) if "ddp" in key else m)
+    x = torch.randn(8, 16)
+    runs = {}
+    for key, m in configs.items():
+        optim = torch.optim.SGD(m.parameters(), lr=1e-3)
 
-    def floor() -> None:
-        for p, spec in specs:
-            DTensor.from_local(p, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+        def step(m=m, optim=optim) -> None:
+            m(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
 
-    runs["floor"] = floor
+        runs[key] = step
     figures: dict[str, list[float]] = {key: [] for key in runs}
-    for run in runs.values():
-        run()
-    for _ in range(repeats):
-        for key, run in runs.items():
-            figures[key].append(_timed(run, iters))
-    figures["params"] = [float(len(locals_))]
-    return figures
+    for step in runs.values():
+        _warm_up(step)
+    keys = list(runs)
+    for repeat in range(args.repeats):
+        shift = repeat % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            figures[key].append(_timed(runs[key], args.launch_iters))
+    queue.put(figures)
+    dist.destroy_process_group()
+
+
+def _print_launch(figures: dict[str, list[float]], repeats: int) -> None:
+    t = {key: statistics.median(v) * 1e3 for key, v in figures.items()}
+    print(f"\n1. launch-bound step, one process, Tiny (8 blocks, dim 16, batch 8), median of {repeats} repeats")
+    print(f"{'':<28}{'ms/step':>9}{'DDP adds ms':>13}{'DDP / alone':>13}")
+    for mode in ("", "_compiled"):
+        if f"tp{mode}" not in t:
+            continue
+        for key in ("plain", "tp"):
+            alone, ddp = t[f"{key}{mode}"], t[f"{key}_ddp{mode}"]
+            print(f"{key + mode:<28}{alone:>9.3f}")
+            print(f"{key + '_ddp' + mode:<28}{ddp:>9.3f}{ddp - alone:>13.3f}{ddp / alone:>13.3f}")
+        if not mode:
+            stock = t["tp_ddp_stock"]
+            print(f"{'tp_ddp_stock':<28}{stock:>9.3f}{stock - t['tp']:>13.3f}{stock / t['tp']:>13.3f}")
+    print("targets: TP + DDP / TP alone <= 1.05 eager, <= 1.2 compiled; DDP adds to TP what it adds to plain")
 
 
 def _step_figures(
     mesh, blocks: int, dim: int, hidden: int, batch: int, iters: int, repeats: int, compiled: bool, foreach: bool
 ):
     from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import torch_overlay
 
+    # DDP's class is served: look it up after each switch.
     torch_overlay.deactivate()
     stock_model = _tp_model(mesh, blocks, dim, hidden)
-    stock = DDP(stock_model, device_mesh=mesh["dp"])
+    stock = torch.nn.parallel.DistributedDataParallel(stock_model, device_mesh=mesh["dp"])
     torch_overlay.activate()
+    DDP = torch.nn.parallel.DistributedDataParallel
     overlay_model = _tp_model(mesh, blocks, dim, hidden)
     overlay = DDP(overlay_model, device_mesh=mesh["dp"])
     fsdp = _tp_model(mesh, blocks, dim, hidden)
@@ -289,7 +322,6 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch_overlay.activate()
-    hooks = _hook_figures(mesh, args.params, args.hook_iters, args.repeats)
     steps, compiles = _step_figures(
         mesh,
         args.blocks,
@@ -301,7 +333,7 @@ def _worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
         not args.no_compile,
         args.foreach,
     )
-    queue.put((rank, hooks, steps, compiles))
+    queue.put((rank, steps, compiles))
     dist.destroy_process_group()
 
 
@@ -315,8 +347,7 @@ def _slowest_median(by_rank: dict[int, dict[str, list[float]]], key: str) -> flo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=256, help="DTensor parameters for the hook figure")
-    parser.add_argument("--hook-iters", type=int, default=50)
+    parser.add_argument("--launch-iters", type=int, default=20)
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -330,22 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{WORLD_SIZE} ranks, 2x2 (dp x tp) mesh, CPU/gloo, 1 thread per rank, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs (shared machine: figures are noisy when others run)"
     )
+    launch = run_ranks(_launch_worker, 1, args)
+    if launch is None:
+        return 1
+    _print_launch(launch[0], args.repeats)
     gathered = run_ranks(_worker, WORLD_SIZE, args)
     if gathered is None:
         return 1
-    hooks = {rank: h for rank, h, _, _ in gathered}
-    steps = {rank: s for rank, _, s, _ in gathered}
-    compiles = {rank: c for rank, _, _, c in gathered}
-
-    floor = _slowest_median(hooks, "floor")
-    swap = _slowest_median(hooks, "hooks")
-    stock_hooks = _slowest_median(hooks, "stock")
-    n = int(hooks[0]["params"][0])
-    print(f"\n1. swap hooks per forward, {n} DTensor parameters (median of {args.repeats} x {args.hook_iters})")
-    print(f"{'':<50}{'ms':>9}{'x loop':>9}")
-    print(f"{'bare DTensor.from_local loop (a view per param)':<50}{floor * 1e3:>9.3f}{1.0:>9.2f}")
-    print(f"{'stock: root hooks, after the first forward':<50}{stock_hooks * 1e3:>9.3f}{stock_hooks / floor:>9.2f}")
-    print(f"{'overlay: each owner hooks (cached views)':<50}{swap * 1e3:>9.3f}{swap / floor:>9.2f}")
+    steps = {rank: s for rank, s, _ in gathered}
+    compiles = {rank: c for rank, _, c in gathered}
 
     print(
         f"\n2. training step, {args.blocks}-block TP MLP (dim {args.dim}, hidden {args.hidden}, batch {args.batch}),"

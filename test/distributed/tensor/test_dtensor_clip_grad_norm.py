@@ -22,7 +22,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
     RowwiseParallel,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -99,9 +98,6 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
             fully_shard(model.net1, mesh=mesh["dp"])
             fully_shard(model.net2, mesh=mesh["dp"])
             return ref, model, model, 2
-        if layout == "ddp_tp":
-            # The TP parameters and their gradients stay DTensors under DDP
-            return ref, model, DDP(model, device_mesh=mesh["dp"]), 1
         return ref, model, model, 1  # "tp": DTensor and plain parameters
 
     def _backward(self, ref, wrapped, scale=1.0):
@@ -111,7 +107,7 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
         ref(x).pow(2).sum().backward()
         wrapped(x).pow(2).sum().backward()
 
-    @parametrize("layout", ["fsdp2_tp", "fsdp2_tp_plain", "tp", "ddp_tp"])
+    @parametrize("layout", ["fsdp2_tp", "fsdp2_tp_plain", "tp"])
     def test_clip_grad_norm(self, layout):
         self.run_subtests(
             {
@@ -156,7 +152,7 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
         for name, param in model.named_parameters():
             self.assertEqual(full_grad(param), ref_grads[name].grad, **tol, msg=name)
 
-    @parametrize("layout", ["fsdp2_tp", "tp", "ddp_tp"])
+    @parametrize("layout", ["fsdp2_tp", "tp"])
     def test_nonfinite_grad_on_one_rank(self, layout):
         self.run_subtests(
             {"value": [INF, float("nan")], "norm_type": [2, INF]},

@@ -1,8 +1,24 @@
 # Owner(s): ["oncall: distributed"]
 
+import contextlib
+import copy
+import functools
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.distributed._composable.replicate import replicate
 from torch.distributed._tensor import DTensor, Replicate
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    StateDictOptions,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -12,13 +28,16 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from torch.testing._internal.common_utils import run_tests
 
 from torch.testing._internal.distributed._tensor.common_dtensor import (
+    DTensorContinuousTestBase,
     DTensorTestBase,
     MLPModule,
     with_comms,
 )
+from torch.utils.checkpoint import checkpoint
 
 # Tensor-Parallel degree
 TP_DEGREE = 2
@@ -104,6 +123,419 @@ class Test2dParallelIntegration(DTensorTestBase):
         self.assertEqual(output, twod_output)
 
         # TODO: Add save/load of 2D verification.
+
+
+DIM = 8
+
+
+class TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(DIM, 2 * DIM)
+        self.net2 = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x):
+        return self.net2(F.relu(self.net1(x)))
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class TPModel(nn.Module):
+    """Plain ``embed`` and ``head`` around two blocks that get TP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(TPBlock() for _ in range(2))
+        self.head = nn.Linear(DIM, DIM)
+        self.skipped: set[int] = set()  # blocks left unused
+        self.checkpoint = None  # "reentrant" or "non_reentrant"
+        self.reads: tuple[str, ...] = ()  # TP weights read outside their owner
+
+    def forward(self, x):
+        extra = 0.0
+        if "before" in self.reads:  # a regularizer, before the owner runs
+            extra = full(self.blocks[1].net2.weight).pow(2).sum()
+        x = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            if i in self.skipped:
+                continue
+            if self.checkpoint:
+                reentrant = self.checkpoint == "reentrant"
+                x = checkpoint(block, x, use_reentrant=reentrant)
+            else:
+                x = block(x)
+        if "after" in self.reads:  # a tied read, after the owner ran
+            x = x + F.linear(x, full(self.blocks[0].net1.weight))[:, :DIM]
+        return self.head(x) + 0.01 * extra
+
+
+TP_PLAN = {
+    f"blocks.{i}.{name}": style
+    for i in range(2)
+    for name, style in (("net1", ColwiseParallel()), ("net2", RowwiseParallel()))
+}
+
+
+def full_state(module):
+    return {name: full(value) for name, value in module.state_dict().items()}
+
+
+class TestDDPTensorParallel(DTensorContinuousTestBase):
+    """
+    DDP over the dp dimension of a tensor parallel model: DTensor parameters
+    and gradients, as with TP alone, against DDP of the same model without TP.
+    """
+
+    world_size = 4
+    _mesh = None
+
+    @property
+    def mesh(self):
+        # Once per class: each mesh creates its process groups.
+        if TestDDPTensorParallel._mesh is None:
+            TestDDPTensorParallel._mesh = init_device_mesh(
+                self.device_type, (2, 2), mesh_dim_names=("dp", "tp")
+            )
+        return TestDDPTensorParallel._mesh
+
+    def build(self, seed=0):
+        """A model without TP and the same model with TP."""
+        torch.manual_seed(seed)
+        reference = TPModel().to(self.device_type)
+        model = copy.deepcopy(reference)
+        parallelize_module(model, self.mesh["tp"], TP_PLAN)
+        return reference, model
+
+    def inputs(self, step):
+        # The same input in a TP group, different ones across dp.
+        torch.manual_seed(1000 * step + self.mesh["dp"].get_local_rank())
+        return torch.randn(4, DIM, device=self.device_type)
+
+    def wrap(self, model, wrap="ddp", **options):
+        if wrap == "replicate":
+            return replicate(model, device_mesh=self.mesh["dp"], **options)
+        return DDP(model, device_mesh=self.mesh["dp"], **options)
+
+    def ref_ddp(self, reference, **options):
+        return DDP(reference, process_group=self.mesh["dp"].get_group(), **options)
+
+    def optims(self, *models):
+        return [
+            torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in models
+        ]
+
+    def step(self, pairs, step):
+        """A training step of each ``(module, optimizer)`` pair, on one input."""
+        for module, optim in pairs:
+            module(self.inputs(step)).pow(2).sum().backward()
+            if optim is not None:
+                optim.step()
+                optim.zero_grad()
+
+    def assert_grads_match(self, model, reference, msg=""):
+        names = [name for name, _ in model.named_parameters()]
+        self.assertEqual(names, [name for name, _ in reference.named_parameters()])
+        for name, ref in reference.named_parameters():
+            param = model.get_parameter(name)
+            grad = param.grad
+            if grad is not None:  # the layout of TP alone
+                self.assertEqual(type(grad), type(param.data), msg=name)
+                if isinstance(grad, DTensor):
+                    self.assertEqual(grad.placements, param.placements, msg=name)
+            expected = ref.grad
+            self.assertEqual(None if grad is None else full(grad), expected, msg=msg)
+
+    def check_parity(self, wrap="ddp", steps=3, comm_hook=None, setup=None, **options):
+        """
+        Train the TP model under DDP (or replicate) and the model without TP
+        under DDP alike: the same losses, gradients and parameters.
+        """
+        reference, model = self.build()
+        # Built before wrapping, as TP alone allows.
+        optim, ref_optim = self.optims(model, reference)
+        ddp = self.wrap(model, wrap, **options)
+        ref_ddp = self.ref_ddp(reference, **options)
+        for d in (ddp, ref_ddp) if comm_hook else ():
+            d.register_comm_hook(self.mesh["dp"].get_group(), comm_hook)
+        # With find_unused_parameters, the last step's zero_grad() comes between
+        # its forward and backward (gradients of unused parameters are read).
+        late = steps - 1 if options.get("find_unused_parameters") else steps
+        for step in range(steps):
+            for m in (model, reference):
+                if setup is not None:
+                    setup(m, step)
+            x = self.inputs(step)
+            loss, ref_loss = ddp(x).pow(2).sum(), ref_ddp(x).pow(2).sum()
+            self.assertEqual(loss, ref_loss, msg=f"step {step}")
+            for o in (optim, ref_optim) if step == late else ():
+                o.zero_grad()
+            loss.backward()
+            ref_loss.backward()
+            self.assert_grads_match(model, reference, msg=f"step {step}")
+            for o in (optim, ref_optim):
+                o.step()
+                if step != late - 1:
+                    o.zero_grad()
+        self.assertEqual(full_state(model), reference.state_dict())
+        return model
+
+    def test_tp_params_stay_registered(self):
+        """The module keeps its DTensor parameters: forward uses them as TP alone."""
+        for wrap in ("ddp", "replicate"):
+            _, model = self.build()
+            before = dict(model.named_parameters())
+            ddp = self.wrap(model, wrap)
+            seen = []
+            model.blocks[0].net1.register_forward_pre_hook(
+                lambda m, _, seen=seen: seen.append(m.weight)
+            )
+            for step in range(2):
+                ddp(self.inputs(step)).sum().backward()
+                after = dict(model.named_parameters())
+                self.assertEqual(list(after), list(before))
+                for name, param in before.items():
+                    self.assertIs(after[name], param, name)
+            for key, value in model.state_dict().items():
+                self.assertEqual(isinstance(value, DTensor), key.startswith("blocks"))
+            self.assertIs(seen[0], before["blocks.0.net1.weight"])
+            self.assertIsInstance(before["blocks.0.net1.weight"].grad, DTensor)
+
+    def test_weight_read_outside_its_owner(self):
+        """A TP weight read before its owner's forward (a regularizer) or after it."""
+        for where in ("before", "after"):
+            self.check_parity(setup=lambda m, step, w=where: setattr(m, "reads", (w,)))
+
+    def test_freeze_after_wrapping(self):
+        """A TP weight frozen after wrapping stays as it is."""
+        frozen = "blocks.1.net2.weight"
+
+        def freeze(m, step):
+            if step == 1:
+                m.get_parameter(frozen).requires_grad_(False)
+
+        model = self.check_parity(steps=3, setup=freeze, find_unused_parameters=True)
+        self.assertIsNone(model.get_parameter(frozen).grad)
+
+    def test_deepcopy_trains_alone(self):
+        """A deep copy of the module (EMA, evaluation) trains as TP alone."""
+        reference, model = self.build()
+        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+        ddp(self.inputs(0)).sum().backward()
+        ref_ddp(self.inputs(0)).sum().backward()
+        copies = copy.deepcopy(model), copy.deepcopy(reference)
+        for m in copies:
+            m.zero_grad()
+            m(self.inputs(1)).pow(2).sum().backward()
+        self.assert_grads_match(*copies)
+
+    def test_functional_call(self):
+        """torch.func.functional_call gives the tensors passed their gradients."""
+        reference, model = self.build()
+        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+        grads = []
+        for d in (ddp, ref_ddp):
+            params = {
+                n: p.detach().clone().requires_grad_()
+                for n, p in d.module.named_parameters()
+            }
+            x = self.inputs(0)
+            torch.func.functional_call(d.module, params, (x,)).sum().backward()
+            grads.append({n: full(p.grad) for n, p in params.items()})
+        self.assertEqual(grads[0], grads[1])
+
+    def test_wrap_under_no_grad(self):
+        """Wrapping under torch.no_grad(), as DDP of a plain model allows."""
+        reference, model = self.build()
+        with torch.no_grad():
+            ddp = self.wrap(model)
+        self.step([(ddp, None), (self.ref_ddp(reference), None)], 0)
+        self.assert_grads_match(model, reference)
+
+    def test_wrap_twice(self):
+        """The same model wrapped twice: the last DDP reduces its gradients once."""
+        reference, model = self.build()
+        first = self.wrap(model)
+        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+        for step in range(2):
+            self.step([(ddp, None), (ref_ddp, None)], step)
+            self.assert_grads_match(model, reference)
+        del first
+
+    def test_activation_checkpointing(self):
+        def use(kind):
+            def setup(m, step):
+                m.checkpoint = kind
+
+            return setup
+
+        for kind in ("reentrant", "non_reentrant"):
+            self.check_parity(setup=use(kind))
+
+    def test_comm_hook(self):
+        self.check_parity(comm_hook=default_hooks.fp16_compress_hook)
+
+    def test_find_unused_parameters(self):
+        """A block unused on one dp rank, or on every rank, and zero_grad() late."""
+
+        def skip(m, step):
+            # Unused on one DP rank only, or on every rank.
+            unused = {1} if step == 3 or self.mesh["dp"].get_local_rank() else set()
+            m.skipped = unused if step % 2 else set()
+
+        for wrap in ("ddp", "replicate"):
+            for bucket_view in (False, True):
+                self.check_parity(
+                    wrap,
+                    steps=4,
+                    setup=skip,
+                    find_unused_parameters=True,
+                    gradient_as_bucket_view=bucket_view,
+                )
+
+    def test_static_graph(self):
+        for bucket_view in (False, True):
+            self.check_parity(static_graph=True, gradient_as_bucket_view=bucket_view)
+
+    def test_first_forward_without_grad(self):
+        """A first forward under no_grad (evaluation) leaves training intact."""
+        for wrap in ("ddp", "replicate"):
+            reference, model = self.build()
+            params = list(model.parameters())
+            ddp, ref_ddp = self.wrap(model, wrap), self.ref_ddp(reference)
+            with torch.no_grad():
+                ddp(self.inputs(0))
+            self.assertEqual(list(model.parameters()), params)
+            self.step([(ddp, None), (ref_ddp, None)], 1)
+            self.assert_grads_match(model, reference)
+
+    def test_no_sync_gradient_accumulation(self):
+        reference, model = self.build()
+        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+        for micro in range(3):
+            for d in (ddp, ref_ddp):
+                # The last micro-batch synchronizes the accumulated gradients.
+                with d.no_sync() if micro < 2 else contextlib.nullcontext():
+                    d(self.inputs(micro)).pow(2).sum().backward()
+        self.assert_grads_match(model, reference)
+
+    def test_clip_grad_norm(self):
+        """clip_grad_norm_ and get_total_norm over p.grad, as TP alone allows."""
+        for wrap, two_step in ((w, t) for w in ("ddp", "replicate") for t in (0, 1)):
+            torch.manual_seed(0)
+            reference = TPBlock().to(self.device_type)
+            model = copy.deepcopy(reference)
+            plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+            parallelize_module(model, self.mesh["tp"], plan)
+            ddp, ref_ddp = self.wrap(model, wrap), self.ref_ddp(reference)
+            norms = []
+            for d, m in ((ddp, model), (ref_ddp, reference)):
+                d(self.inputs(0)).pow(2).sum().backward()
+                if two_step:
+                    norm = full(get_total_norm([p.grad for p in m.parameters()]))
+                    clip_grads_with_norm_(m.parameters(), 0.5, norm)
+                else:
+                    norm = full(clip_grad_norm_(m.parameters(), 0.5))
+                norms.append(norm)
+            self.assertEqual(norms[0], norms[1], msg=wrap)
+            self.assert_grads_match(model, reference)
+
+    def test_init_after_replicate_equals_tp_alone(self):
+        """Materialize from meta and initialize after replicate(): as TP alone."""
+        models = []
+        for wrap in (True, False):
+            with torch.device("meta"):
+                model = TPModel()
+            parallelize_module(model, self.mesh["tp"], TP_PLAN)
+            if wrap:
+                replicate(model, device_mesh=self.mesh["dp"])
+            model.to_empty(device=self.device_type)
+            torch.manual_seed(5)  # the same on every rank, as TP requires
+            for m in model.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.kaiming_uniform_(m.weight, a=5**0.5)  # fan-in: global
+                    nn.init.uniform_(m.bias, -0.1, 0.1)
+            models.append(model)
+        model, tp_alone = models
+        self.assertEqual(full_state(model), full_state(tp_alone), atol=0, rtol=0)
+        # Training goes on from there like a non-TP model with the same values.
+        reference = TPModel().to(self.device_type)
+        reference.load_state_dict(full_state(tp_alone))
+        optims = self.optims(model, reference)
+        pairs = list(zip((model, self.ref_ddp(reference)), optims, strict=True))
+        for step in range(2):
+            self.step(pairs, step)
+        self.assertEqual(full_state(model), reference.state_dict())
+
+    def test_replaced_param_raises(self):
+        """load_state_dict(assign=True) after wrapping: one clear error."""
+        _, model = self.build()
+        ddp = self.wrap(model)
+        _, other = self.build(seed=1)
+        tp_sd = {k: v for k, v in other.state_dict().items() if k.startswith("b")}
+        model.load_state_dict(tp_sd, strict=False, assign=True)
+        with self.assertRaisesRegex(RuntimeError, "before wrapping the module"):
+            ddp(self.inputs(0))
+
+    def test_dcp_state_dict_helpers(self):
+        """get_/set_model_state_dict and get_/set_optimizer_state_dict round-trip."""
+        reference, model = self.build()
+        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+        # foreach=True, the default on CUDA, over DTensor and plain parameters.
+        adamw = functools.partial(torch.optim.AdamW, lr=0.05, foreach=True)
+        optim, ref_optim = adamw(model.parameters()), adamw(reference.parameters())
+        for step in range(2):
+            self.step([(ddp, optim), (ref_ddp, ref_optim)], step)
+        ref_msd = get_model_state_dict(ref_ddp)
+        ref_osd = get_optimizer_state_dict(ref_ddp, ref_optim)
+        tp_keys = {k for k in ref_msd if k.startswith("blocks.")}
+        cases = [
+            StateDictOptions(),
+            StateDictOptions(
+                full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True
+            ),
+        ]
+        saved = []
+        for options in cases:
+            msd = get_model_state_dict(ddp, options=options)
+            osd = get_optimizer_state_dict(ddp, optim, options=options)
+            if not (options.full_state_dict and self.rank):
+                # TP parameters and their states as DTensors, unless full.
+                sharded = not options.full_state_dict
+                states = [osd["state"][k]["exp_avg"] for k in tp_keys]
+                for value in [msd[k] for k in tp_keys] + states:
+                    self.assertEqual(isinstance(value, DTensor), sharded)
+                self.assertEqual({k: full(v) for k, v in msd.items()}, ref_msd)
+                for fqn, state in ref_osd["state"].items():
+                    actual = {k: full(v) for k, v in osd["state"][fqn].items()}
+                    self.assertEqual(actual, state, msg=f"{options} {fqn}")
+            saved.append((options, copy.deepcopy((msd, osd))))
+        self.step([(ddp, optim)], 2)
+        for options, (msd, osd) in saved:
+            _, fresh = self.build(seed=1)
+            fresh_ddp = self.wrap(fresh)
+            fresh_optim = adamw(fresh.parameters())
+            set_model_state_dict(fresh_ddp, msd, options=options)
+            set_optimizer_state_dict(fresh_ddp, fresh_optim, osd, options=options)
+            self.step([(fresh_ddp, fresh_optim)], 2)
+            self.assertEqual(full_state(fresh), full_state(model), atol=0, rtol=0)
+
+    def test_compile_training_parity(self):
+        """torch.compile(DDP(TP model)) trains like the non-TP reference, one graph."""
+        for backend in ("aot_eager", "inductor"):
+            counters.clear()
+            reference, model = self.build()
+            ddp = torch.compile(self.wrap(model), backend=backend)
+            optims = self.optims(model, reference)
+            pairs = list(zip((ddp, self.ref_ddp(reference)), optims, strict=True))
+            graphs = []
+            for step in range(3):
+                self.step(pairs, step)
+                graphs.append(counters["stats"]["unique_graphs"])
+            self.assertEqual(full_state(model), reference.state_dict())
+            self.assertEqual(graphs, [1, 1, 1], msg=backend)
 
 
 if __name__ == "__main__":

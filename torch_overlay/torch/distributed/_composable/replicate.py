@@ -90,16 +90,7 @@ class _ReplicateState(_State):
         for submodule in module.modules():
             if _is_fully_sharded(submodule):
                 ignored_params.update(submodule.parameters())
-        from torch.distributed.tensor.parallel.ddp import _localize_dtensor
-
-        # Called in the module's forward pre-hook: its own views start now.
-        local_params = _localize_dtensor(
-            module, ignored_params=ignored_params, in_forward=True
-        )
         self._collect_params(module, ignored_modules, ignored_params)
-        # DDP reduces the local tensors of the DTensor parameters.
-        for i, param in enumerate(self._param_list):
-            self._param_list[i] = local_params.leaves.get(param, param)
 
         if "device_id" in kwargs:
             # replicate() supports a small usability enhancement where
@@ -120,8 +111,6 @@ class _ReplicateState(_State):
             kwargs.pop("device_id")
 
         self._ddp = DistributedDataParallel(self._param_list, **kwargs)
-        if local_params.leaves:  # for DDP's start of backward
-            self._ddp._dtensor_params = local_params
         # Weakref to the DDP instance is currently only used for testing.
         replicate.state(self.module)._ddp_weakref = weakref.ref(self._ddp)
 

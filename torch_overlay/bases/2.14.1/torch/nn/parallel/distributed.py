@@ -172,7 +172,7 @@ if dist.is_available():
         _alloc_storage,
         _cast_forward_inputs,
         _free_storage,
-        _sync_module_states,
+        _sync_params_and_buffers,
         _to_kwargs,
         _verify_param_shape_across_processes,
     )
@@ -371,6 +371,45 @@ class _BufferCommHook:
     buffer_comm_hook_location: _BufferCommHookLocation
 
 
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor parameter, which DDP reduces, else ``tensor``."""
+    from torch.distributed.tensor.parallel._data_parallel_utils import _flatten_tensor
+
+    return _flatten_tensor(tensor)[0]
+
+
+def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param) -> None:
+    """
+    Hand the reducer the gradient of a DTensor parameter, once accumulated: its
+    local tensor is the gradient of the local tensor the reducer holds.
+    """
+    ddp = ddp_weakref()
+    if ddp is None:
+        return
+    grad = _local_tensor(param.grad)
+    if local_tensor.grad is not grad:
+        local_tensor.grad = grad
+    ddp.reducer._autograd_hook(index)  # type: ignore[attr-defined]
+    if local_tensor.grad is not grad:
+        # gradient_as_bucket_view: the reducer made it a view of its bucket.
+        param.grad = _as_dtensor(local_tensor.grad, param)
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _as_dtensor(tensor: torch.Tensor, param) -> torch.Tensor:
+    return type(param).from_local(
+        tensor,
+        param.device_mesh,
+        param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 # Add a DDPSink to run various functions when backwards starts, such as
 # queueing call back of out-most backward/graph task,
 # this helps call back is fired after all gradients' calculation
@@ -395,10 +434,12 @@ class _DDPSink(Function):
         # Enqueue delay allreduce for static graph training on the first
         # iteration.
         ddp_weakref = ctx.ddp_weakref()
-        dtensor_params = getattr(ddp_weakref, "_dtensor_params", None)
-        if dtensor_params is not None:
+        if ddp_weakref._dtensor_params:
             # Before the reducer reads the gradients of unused parameters.
-            dtensor_params.start_grads()
+            ddp_weakref._sync_dtensor_grads()
+            Variable._execution_engine.queue_callback(  # type: ignore[call-arg,misc]
+                ddp_weakref._queue_dtensor_grad_views
+            )
         reducer = ddp_weakref.reducer
         static_graph = ddp_weakref.static_graph
         delay_ar_enqueued = (
@@ -783,11 +824,6 @@ class DistributedDataParallel(Module, Joinable):
                     This requires that unused parameters remain the same across all ranks throughout
                     the entire training process. If this condition is not met, it may cause
                     desynchronization and result in training hang.
-        device_mesh (DeviceMesh, optional): a 1-D mesh to replicate over, instead
-                    of ``process_group``. For a tensor parallel model, pass the data
-                    parallel dimension of its mesh: the module keeps its DTensor
-                    parameters, whose gradients are DTensors averaged over this
-                    mesh, as with tensor parallelism alone.
         batched_grad_copy (bool): When set to ``True``, individual per-parameter
                     gradient-to-bucket copy and division operations are deferred
                     and flushed as a single ``_foreach_copy_`` plus one flat
@@ -860,7 +896,6 @@ class DistributedDataParallel(Module, Joinable):
                 "need to be set at the same time.",
             )
 
-        self._dtensor_params = None
         if process_group and device_mesh is not None:
             raise RuntimeError(
                 "Cannot specify both process_group and device_mesh arguments."
@@ -877,20 +912,6 @@ class DistributedDataParallel(Module, Joinable):
                 )
             self.device_mesh = device_mesh
             self.process_group = device_mesh.get_group(mesh_dim=0)
-
-            root_mesh = device_mesh._get_root_mesh()
-            # if a root mesh is not the same as device_mesh,
-            # meaning the device_mesh is sliced out from the root mesh.
-            if root_mesh != device_mesh:
-                # TODO: This is a temporary work around to enable DDP + TP.
-                # We should do the logic in DDP so that the 2D implementation is
-                # sound and the state_dict works out of the box.
-                # This has to be done before check UninitializedParameter.
-                from torch.distributed.tensor.parallel.ddp import (
-                    _pre_dp_module_transform,
-                )
-
-                self._dtensor_params = _pre_dp_module_transform(module)
 
         self._delay_all_reduce_params = []
         if hasattr(module, "_ddp_params_and_buffers_to_ignore"):
@@ -1071,23 +1092,14 @@ class DistributedDataParallel(Module, Joinable):
         # All collectives during initialization are gated by this flag.
         if init_sync:
             # Verify model equivalence.
-            _verify_param_shape_across_processes(self.process_group, parameters)
-            # Sync params and buffers. Ensures all DDP models start off at the same value.
-            _sync_module_states(
-                module=self.module,
-                process_group=self.process_group,
-                broadcast_bucket_size=self.broadcast_bucket_size,
-                src=0,
-                params_and_buffers_to_ignore=self.parameters_to_ignore,
-                broadcast_buffers=init_sync_buffers,
+            _verify_param_shape_across_processes(
+                self.process_group, [_local_tensor(p) for p in parameters]
             )
+            # Sync params and buffers. Ensures all DDP models start off at the same value.
+            self._sync_module_states(src=0, broadcast_buffers=init_sync_buffers)
 
         # In debug mode, build a mapping of parameter index -> parameter.
         param_to_name_mapping = self._build_debug_param_to_name_mapping(parameters)
-        if self._dtensor_params is not None:
-            # The reducer holds the local tensors of the DTensor parameters,
-            # which the module holds again.
-            self._dtensor_params.restore()
 
         # Builds reducer.
         self._ddp_init_helper(
@@ -1381,6 +1393,116 @@ class DistributedDataParallel(Module, Joinable):
             )
             p._ddp_mp_hook_state = (grad_acc, hook)
 
+    def _sync_module_states(self, src: int, broadcast_buffers: bool) -> None:
+        """Broadcast the module's state from ``src``, DTensors by their local tensors."""
+        states = [
+            _local_tensor(param).detach()
+            for name, param in self.module.named_parameters()
+            if name not in self.parameters_to_ignore
+        ]
+        if broadcast_buffers:
+            states += [
+                buffer.detach()
+                for name, buffer in self.module.named_buffers()
+                if name not in self.parameters_to_ignore
+            ]
+        _sync_params_and_buffers(
+            self.process_group, states, self.broadcast_bucket_size, src
+        )
+
+    # NOTE [DTensor parameters]: a tensor parallel module keeps its DTensor
+    # parameters, and their gradients accumulate as with tensor parallelism
+    # alone. The reducer buckets their local tensors instead: a post-accumulate
+    # grad hook on each hands the reducer the gradient's local tensor as the
+    # local tensor's gradient and fires the reducer's hook, so the reducer
+    # averages it in place (or, with gradient_as_bucket_view, the parameter's
+    # gradient becomes a DTensor of its bucket view).
+    def _register_dtensor_params(self, parameters):
+        """Return the tensors for the reducer: the local tensors of DTensor parameters."""
+        for handle in getattr(self, "_dtensor_hooks", []):  # a rebuilt reducer
+            handle.remove()
+        self._dtensor_hooks: list[RemovableHandle] = []
+        self._dtensor_params: list[tuple[Module, str, Any, torch.Tensor]] = []
+        local_tensors = [_local_tensor(param) for param in parameters]
+        owners = {
+            param: (module, name)
+            for module in self.module.modules()
+            for name, param in module.named_parameters(recurse=False)
+        }
+        for index, (param, local_tensor) in enumerate(zip(parameters, local_tensors)):
+            if local_tensor is param:
+                continue
+            if self.mixed_precision is not None:
+                self._log_and_throw(
+                    NotImplementedError,
+                    "DistributedDataParallel's mixed_precision does not support "
+                    "DTensor parameters: use torch.autocast instead.",
+                )
+            self._dtensor_params.append((*owners[param], param, local_tensor))
+            hook = functools.partial(
+                _reduce_dtensor_grad, weakref.ref(self), index, local_tensor
+            )
+            self._dtensor_hooks.append(param.register_post_accumulate_grad_hook(hook))
+        if self._dtensor_hooks:  # removed with DDP
+            weakref.finalize(self, _remove_hooks, self._dtensor_hooks)
+        return local_tensors
+
+    def _sync_dtensor_grads(self) -> None:
+        """Give each local tensor the local gradient of its DTensor parameter."""
+        for module, name, param, local_tensor in self._dtensor_params:
+            if module._parameters.get(name) is not param or (
+                _local_tensor(param) is not local_tensor
+            ):
+                self._log_and_throw(
+                    RuntimeError,
+                    f"DistributedDataParallel: the DTensor parameter {name} of "
+                    f"{type(module).__name__} was replaced or moved after wrapping "
+                    "(e.g. load_state_dict(assign=True), to_empty()): do that "
+                    "before wrapping the module.",
+                )
+            grad = param.grad
+            local_tensor.grad = None if grad is None else _local_tensor(grad)
+
+    def _queue_dtensor_grad_views(self) -> None:
+        # NOTE: Runs once every node of the backward ran, and so after the
+        # reducer queued its finalization (when its last bucket got ready), which
+        # may give unused parameters new gradients: queued again, the views run
+        # after it.
+        Variable._execution_engine.queue_callback(  # type: ignore[call-arg,misc]
+            self._dtensor_grad_views
+        )
+
+    def _dtensor_grad_views(self) -> None:
+        """Make the gradient of each DTensor parameter a DTensor of its local tensor's."""
+        for _, _, param, local_tensor in self._dtensor_params:
+            grad = local_tensor.grad
+            if grad is not None and (
+                param.grad is None or _local_tensor(param.grad) is not grad
+            ):
+                param.grad = _as_dtensor(grad, param)
+
+    def _reached_local_tensors(self, outputs) -> list[torch.Tensor]:
+        """
+        Views of the local tensors of the DTensor parameters that ``outputs``
+        depend on: the reducer finds the parameters the forward used by their
+        gradient accumulators, which the local tensors' never are.
+        """
+        local_tensors = {p: t for _, _, p, t in self._dtensor_params}
+        reached = []
+        seen = set()
+        queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while queue:
+            for node, _ in queue.pop().next_functions:
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                local_tensor = local_tensors.get(getattr(node, "variable", None))
+                if local_tensor is None:
+                    queue.append(node)
+                else:
+                    reached.append(local_tensor.view_as(local_tensor))
+        return reached
+
     def _log_and_throw(self, err_type, err_msg):
         if self.logger is not None:
             self.logger.set_error_and_log(f"{str(err_type)}: {err_msg}")
@@ -1439,6 +1561,8 @@ class DistributedDataParallel(Module, Joinable):
             bucket_size_limits,
             expect_sparse_gradient,
         )
+
+        parameters = self._register_dtensor_params(parameters)
 
         # Remember index for parameters if we are in mixed precision, as we
         # need to pass in index to Reducer's autograd hook via python.
@@ -1503,6 +1627,7 @@ class DistributedDataParallel(Module, Joinable):
         del attrs["process_group"]
         del attrs["reducer"]
         del attrs["logger"]
+        attrs.pop("_dtensor_hooks", None)  # registered again with the reducer
         # broadcast_buffers is a property; include it for backward compat.
         attrs["broadcast_buffers"] = self.forward_sync_buffers
         return attrs
@@ -1781,6 +1906,10 @@ class DistributedDataParallel(Module, Joinable):
                 self._divide_by_initial_world_size,  # type: ignore[arg-type]
             )
 
+        if self._dtensor_params:
+            # Also drops a local gradient that zero_grad() dropped.
+            self._sync_dtensor_grads()
+
         # Calling _rebuild_buckets before forward computation,
         # It may allocate new buckets before deallocating old buckets
         # inside _rebuild_buckets. To save peak memory usage,
@@ -1849,7 +1978,10 @@ class DistributedDataParallel(Module, Joinable):
             # unused parameters. Only if `find_unused_parameters` is set.
             if self.find_unused_parameters and not self.static_graph:
                 # Do not need to populate this for static graph.
-                self.reducer.prepare_for_backward(list(_find_tensors(output)))
+                outputs = list(_find_tensors(output))
+                if self._dtensor_params:
+                    outputs += self._reached_local_tensors(outputs)
+                self.reducer.prepare_for_backward(outputs)
             else:
                 self.reducer.prepare_for_backward([])
         else:
@@ -1858,7 +1990,10 @@ class DistributedDataParallel(Module, Joinable):
         # TODO: DDPSink is currently enabled for unused parameter detection and
         # static graph training for first iteration.
         if (self.find_unused_parameters and not self.static_graph) or (
-            self.static_graph and not self._static_graph_delay_allreduce_enqueued
+            self.static_graph
+            and (
+                not self._static_graph_delay_allreduce_enqueued or self._dtensor_params
+            )
         ):
             (
                 output_tensor_list,
@@ -1965,13 +2100,8 @@ class DistributedDataParallel(Module, Joinable):
         self._authoritative_rank = self._find_common_rank(
             self._distributed_rank, is_last_joiner
         )
-        _sync_module_states(
-            module=self.module,
-            process_group=self.process_group,
-            broadcast_bucket_size=self.broadcast_bucket_size,
-            src=self._authoritative_rank,
-            params_and_buffers_to_ignore=self.parameters_to_ignore,
-            broadcast_buffers=self.forward_sync_buffers,
+        self._sync_module_states(
+            src=self._authoritative_rank, broadcast_buffers=self.forward_sync_buffers
         )
 
     # Schedule comm ops to match those scheduled in the reducer's backward
