@@ -153,9 +153,9 @@ def _related(where: str, entry: object) -> tuple[int, str]:
 def load_author(path: Path) -> tuple[str, str]:
     """The (name, email) of series.toml's top-level ``author``: the ``From:`` of every generated patch.
 
-    A real identity recorded once, not a placeholder: it is whom a reviewer of ``patches/`` asks, and it is
-    fixed so that regenerating the series is byte-identical. ``make ghstack`` commits with the identity of
-    the user who runs it instead.
+    Fixed so that regenerating the series is byte-identical; this repository's git identity, which names the
+    project, not a person (it signs no CLA). ``make ghstack`` commits with the identity of the user who runs
+    it, whose CLA covers the PRs.
     """
     try:
         author = tomllib.loads(path.read_text(encoding="utf-8")).get("author")
