@@ -46,7 +46,8 @@ def load(name: str, path: str) -> types.ModuleType:
 
 def groupings() -> dict[str, Callable]:
     stock = load("_stock_foreach_utils", os.path.join(os.path.dirname(torch.__file__), "utils", "_foreach_utils.py"))
-    overlay = load("_overlay_foreach_utils", load_manifest().overlay_files()[MODULE])
+    manifest = load_manifest()
+    overlay = load("_overlay_foreach_utils", manifest.overlay_files(manifest.payload_base)[MODULE])
     return {"stock": stock._group_tensors_by_device_and_dtype, "overlay": overlay._group_tensors_by_device_and_dtype}
 
 

@@ -63,7 +63,7 @@ class StackPatch:
 
     @property
     def message(self) -> str:
-        """The commit message as ``make patches`` writes it (title, Summary, Test Plan, Fixes)."""
+        """The commit message as ``make patches`` writes it (title, Summary, Test Plan, Fixes, Related)."""
         return commit_message(self.patch)
 
 
@@ -136,7 +136,10 @@ def stack_table(project: Project) -> str:
     """The README's table of the upstream stack (markdown): one row per patch, in order."""
     rows = ["| # | title | changed lines (code / with tests) | Fixes | tests |", "|---|---|---|---|---|"]
     for entry in stack(project):
-        fixes = ", ".join(f"[#{n}](https://github.com/pytorch/pytorch/issues/{n})" for n in entry.patch.fixes)
+        fixes = ", ".join(
+            [f"[#{n}](https://github.com/pytorch/pytorch/issues/{n})" for n in entry.patch.fixes]
+            + [f"related [#{n}](https://github.com/pytorch/pytorch/issues/{n})" for n, _ in entry.patch.related]
+        )
         tests = [t for t in entry.patch.test_files if Path(t).name.startswith("test_")]
         title = entry.patch.title.replace("|", "\\|")
         size = f"{entry.stats.code} / {entry.stats.total}"

@@ -139,7 +139,8 @@ def new_side_problems(project: Project, edit: UpstreamEdit, local: Path) -> list
 
 
 def commit_message(patch: Patch) -> str:
-    """The commit message: title, Summary, Test Plan and ``Fixes`` lines, as PyTorch PRs have them."""
+    """The commit message: title, Summary, Test Plan, ``Fixes`` lines and ``Related`` issues (each with its line
+    of what the patch adds), as PyTorch PRs have them."""
     parts = [patch.title, "Summary:\n" + patch.summary]
     if patch.fixed_upstream_in is not None:
         parts.append(
@@ -152,6 +153,7 @@ def commit_message(patch: Patch) -> str:
     parts.append("Test Plan:\n" + patch.test_plan)
     if patch.fixes:
         parts.append("\n".join(f"Fixes #{n}" for n in patch.fixes))
+    parts += [f"Related: #{n}\n{adds}" for n, adds in patch.related]
     return "\n\n".join(parts) + "\n"
 
 

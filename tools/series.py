@@ -55,6 +55,9 @@ class Patch:
     """The torch release that fixed the bug upstream: from it on the patch is not needed (a backport)."""
     snapshots: tuple[str, ...] = ()
     """Manifest files whose version after this patch is given whole, by :func:`snapshot_file`."""
+    related: tuple[tuple[int, str], ...] = ()
+    """Closed upstream issues the patch answers, each with one line saying what the patch adds (``Related: #N``,
+    since ``Fixes #N`` would claim an issue that is already closed)."""
 
     def needed_on(self, version: str) -> bool:
         """Whether a base of this version needs the patch (it still has the bug)."""
@@ -111,6 +114,7 @@ def load_series(path: Path) -> list[Patch]:
                     upstream_test_edits=tuple(entry.get("upstream_test_edits", [])),
                     fixed_upstream_in=entry.get("fixed_upstream_in"),
                     snapshots=tuple(entry.get("snapshots", [])),
+                    related=tuple(_related(where, r) for r in entry.get("related", [])),
                 )
             )
             claimed = {c.file for c in claims} & set(patches[-1].snapshots)
@@ -137,12 +141,21 @@ def load_series(path: Path) -> list[Patch]:
     return patches
 
 
+def _related(where: str, entry: object) -> tuple[int, str]:
+    """One ``related = [{ issue = N, adds = "..." }]`` entry: a closed issue and one line of what the patch adds."""
+    issue = entry.get("issue") if isinstance(entry, dict) else None
+    adds = entry.get("adds") if isinstance(entry, dict) else None
+    if not isinstance(issue, int) or not isinstance(adds, str) or not adds.strip() or "\n" in adds.strip():
+        raise SeriesError(f'{where}: related entries are {{ issue = N, adds = "one line: what the patch adds" }}')
+    return issue, adds.strip()
+
+
 def load_author(path: Path) -> tuple[str, str]:
     """The (name, email) of series.toml's top-level ``author``: the ``From:`` of every generated patch.
 
-    A real identity recorded once, not a placeholder: it is whom a reviewer of ``patches/`` asks, and it is
-    fixed so that regenerating the series is byte-identical. ``make ghstack`` commits with the identity of
-    the user who runs it instead.
+    Fixed so that regenerating the series is byte-identical; this repository's git identity, which names the
+    project, not a person (it signs no CLA). ``make ghstack`` commits with the identity of the user who runs
+    it, whose CLA covers the PRs.
     """
     try:
         author = tomllib.loads(path.read_text(encoding="utf-8")).get("author")

@@ -2,9 +2,9 @@
 
 The upstream series (``patches/series``; backports, with ``fixed_upstream_in``, stay out of it) is submitted as
 a ghstack stack, one PR per patch. Each PR must read like any other PyTorch PR: an area tag in the title, a
-short Summary, a Test Plan with the command, ``Fixes #N`` for the issues it fixes, a size a reviewer takes
-in one sitting, and nothing about how this project produces it. :func:`violations` says which rules a
-generated patch breaks; :func:`diff_stats` counts its changed lines.
+short Summary, a Test Plan with the command, ``Fixes #N`` for the open issues it fixes (``Related: #N`` for
+closed ones), a size a reviewer takes in one sitting, and nothing about how this project produces it.
+:func:`violations` says which rules a generated patch breaks; :func:`diff_stats` counts its changed lines.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ _TOOLING_WORDS = re.compile(
 )
 _COMMAND = re.compile(r"^\s*(?:\$\s*)?(?:python3?|pytest|torchrun)\s+\S", re.MULTILINE)
 _FIXES = re.compile(r"^\s*(?:Fixes|Closes|Resolves)\s+#(\d+)", re.IGNORECASE | re.MULTILINE)
+_RELATED = re.compile(r"^\s*Related:?\s+#(\d+)", re.IGNORECASE | re.MULTILINE)
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
 
@@ -111,7 +112,7 @@ def diff_stats(diff: str) -> DiffStats:
 def violations(patch: Patch, message: str, stats: DiffStats) -> list[str]:
     """The stack rules that one upstream patch breaks, one line each (empty: it is ready for review).
 
-    ``message`` is the patch's commit message as generated (title, Summary, Test Plan, Fixes lines);
+    ``message`` is the patch's commit message as generated (title, Summary, Test Plan, Fixes and Related lines);
     ``stats`` its diff's changed lines.
     """
     problems = []
@@ -125,6 +126,12 @@ def violations(patch: Patch, message: str, stats: DiffStats) -> list[str]:
     said = sorted({int(n) for n in _FIXES.findall(message)})
     if said != sorted(set(patch.fixes)):
         problems.append(f"the message says Fixes {_issues(said)}, but series.toml's fixes are {_issues(patch.fixes)}")
+    related = sorted({n for n, _ in patch.related})
+    said = sorted({int(n) for n in _RELATED.findall(message)})
+    if said != related:
+        problems.append(f"the message says Related {_issues(said)}, but series.toml's related are {_issues(related)}")
+    if set(patch.fixes) & set(related):
+        problems.append(f"{_issues(sorted(set(patch.fixes) & set(related)))}: both fixed and related; pick one")
     problems += size_problems(stats)
     texts = [("the message", message)] + [
         (f"{path} (added lines)", "\n".join(line for p, line in stats.added if p == path))

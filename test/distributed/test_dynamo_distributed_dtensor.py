@@ -76,7 +76,9 @@ class TestDDPOptimizerDTensor(torch._dynamo.test_case.TestCase):
         """
         A model on DTensors from end to end has no point where its graph can
         be split: it compiles as one graph, whose gradients DDP cannot reduce
-        while backward runs, and DDPOptimizer says so once, at INFO.
+        while backward runs. DDPOptimizer warns of that once, naming the first
+        value in graph order that crosses the split points: here the input made
+        a DTensor.
         """
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
         plan = {
@@ -84,18 +86,39 @@ class TestDDPOptimizerDTensor(torch._dynamo.test_case.TestCase):
             "2": RowwiseParallel(use_local_output=False),
         }
         parallelize_module(model, self.mesh, plan)
-        opt_model, cnt = self.compile(model)
-        with self.assertLogs(DDPOptimizer.__module__, level="INFO") as captured:
-            opt_model(torch.randn(4, 16))
-        self.assertEqual(cnt.frame_count, 1)
-        messages = [r.getMessage() for r in captured.records]
-        not_split = [m for m in messages if "did not split this graph" in m]
-        self.assertEqual(len(not_split), 1, messages)
-        self.assertIn("DTensor", not_split[0])
-        # Expected for such a model: no warning of buckets extended past their
-        # capacity.
-        warnings = [r for r in captured.records if r.levelno >= logging.WARNING]
-        self.assertEqual(warnings, [])
+        torch._logging._internal.warning_once.cache_clear()
+        self.addCleanup(torch._logging._internal.warning_once.cache_clear)
+        messages, graphs = [], []
+        for _ in range(2):
+            torch._dynamo.reset()
+            cnt = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+            ddp_optimizer = DDPOptimizer(
+                bucket_bytes_cap=1, backend_compile_fn=cnt, first_bucket_cap=1
+            )
+
+            def compile_fn(gm, example_inputs, ddp_optimizer=ddp_optimizer):
+                graphs.append(gm)
+                return ddp_optimizer.compile_fn(gm, example_inputs)
+
+            opt_model = torch.compile(model, backend=compile_fn)
+            with self.assertLogs(DDPOptimizer.__module__, level="INFO") as captured:
+                opt_model(torch.randn(4, 16))
+            self.assertEqual(cnt.frame_count, 1)
+            # Expected for such a model: no warning of buckets extended past
+            # their capacity, only the lost overlap.
+            messages += [
+                r.getMessage() for r in captured.records if r.levelno >= logging.WARNING
+            ]
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn("did not split this graph", messages[0])
+        self.assertIn("DTensor", messages[0])
+        first = next(
+            n.name
+            for n in graphs[0].graph.nodes
+            if n.op != "placeholder"
+            and isinstance(n.meta.get("example_value"), DTensor)
+        )
+        self.assertIn(f"such as {first} (the first in graph order)", messages[0])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from tools.check_stack import (
     stack,
     stack_table,
 )
-from tools.patches import generate, write
+from tools.patches import commit_message, generate, write
 from tools.pristine import pristine
 from tools.project import default_project
 from tools.series import Patch
@@ -79,6 +79,20 @@ the message says Fixes #93938, but series.toml's fixes are #152712
 701 changed lines with tests, at most 700
 the message names this project's tooling: 'every base', 'make check', 'series.toml'
 test/test_a.py (added lines) names this project's tooling: 'torch-overlay'""",
+        )
+
+    def test_a_closed_issue_is_related_not_fixed(self) -> None:
+        """A closed issue is named ``Related: #N`` with a line of what the patch adds, and checked like Fixes."""
+        patch = dataclasses.replace(GOOD, fixes=(), related=((93938, "Adds the missing space."),))
+        message = commit_message(patch)
+        self.assertTrue(message.endswith("\n\nRelated: #93938\nAdds the missing space.\n"), message)
+        stats = diff_stats(_diff("torch/a.py", 1))
+        self.assertEqual(violations(patch, message, stats), [])
+        self.assertExpectedInline(
+            "\n".join(violations(dataclasses.replace(patch, fixes=(93938,)), GOOD_MESSAGE, stats)),
+            """\
+the message says Related none, but series.toml's related are #93938
+#93938: both fixed and related; pick one""",
         )
 
     def test_every_area_tag_is_accepted(self) -> None:

@@ -1,8 +1,10 @@
 from typing import TypeAlias
+from typing_extensions import Self
 
 import torch
 from torch import Tensor
 from torch.autograd.grad_mode import no_grad
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 
 
 def _get_foreach_kernels_supported_devices() -> list[str]:
@@ -40,27 +42,41 @@ _foreach_supported_types = [torch.Tensor]
 #   original input tensorlists, changing up Nones/literals WILL NOT propagate, and manual propagation
 #   may be necessary. Check out torch/optim/sgd.py for an example.
 #
-# Tensors of one device and dtype but of different types, such as DTensors and plain
-# tensors, go to separate groups: a tensor subclass handles a foreach call on the whole
-# list, and DTensor refuses plain tensors ("got mixed torch.Tensor and DTensor").
+# A traceable wrapper subclass such as DTensor takes a foreach call on the whole list and
+# refuses plain tensors ("got mixed torch.Tensor and DTensor"). Where a tensorlist mixes
+# such a subclass with other tensors, each group is split by the wrapper subclass that
+# every tensorlist holds at an index. Other types (nn.Parameter and its subclasses) stay
+# with the plain tensors.
 @no_grad()
 def _group_tensors_by_device_and_dtype(
     tensorlistlist: TensorListList,
     with_indices: bool = False,
 ) -> dict[tuple[torch.device, torch.dtype], tuple[TensorListList, Indices]]:
     grouped = torch._C._group_tensors_by_device_and_dtype(tensorlistlist, with_indices)
-    types = set(map(type, tensorlistlist[0])) if tensorlistlist else set()
-    if len({_tensor_type(t) for t in types}) <= 1:
+    wrappers: set[type] = set()
+    mixed = False
+    for tensorlist in tensorlistlist:
+        types = set(map(type, tensorlist or ()))
+        found = set(filter(is_traceable_wrapper_subclass_type, types))
+        mixed |= bool(found) and (len(found) > 1 or bool(types - found - {type(None)}))
+        wrappers |= found
+    if not mixed:
         return grouped
     split: dict[tuple[torch.device, torch.dtype], tuple[TensorListList, Indices]] = {}
     for key, (tensorlists, indices) in grouped.items():
-        positions: dict[type, list[int]] = {}
-        for i, t in enumerate(tensorlists[0]):
-            positions.setdefault(_tensor_type(type(t)), []).append(i)
-        for tensor_type, ps in positions.items():
-            split_key = key
-            if tensor_type is not Tensor:
-                split_key = _SubclassGroupKey(*key, tensor_type)
+        positions: dict[tuple[type | None, ...], list[int]] = {}
+        for i in range(len(tensorlists[0])):
+            kinds = tuple(
+                type(ts[i]) if type(ts[i]) in wrappers else None
+                for ts in tensorlists
+                if ts
+            )
+            positions.setdefault(kinds if any(kinds) else (), []).append(i)
+        if len(positions) == 1:
+            split[key] = (tensorlists, indices)
+            continue
+        for kinds, ps in positions.items():
+            split_key = _SubclassGroupKey(*key, kinds) if kinds else key
             split[split_key] = (
                 [[ts[i] for i in ps] if ts else ts for ts in tensorlists],
                 [indices[i] for i in ps] if indices else indices,
@@ -68,36 +84,36 @@ def _group_tensors_by_device_and_dtype(
     return split
 
 
-def _tensor_type(tensor_type: type) -> type:
-    return Tensor if tensor_type is torch.nn.Parameter else tensor_type
-
-
 class _SubclassGroupKey(tuple):
     """The key of a group of tensor subclass instances whose device and dtype may be
     those of plain tensors in another group: it unpacks as ``(device, dtype)`` like
-    every key, and compares and hashes with the subclass too."""
+    every key, and compares and hashes with ``tensor_types`` too (the wrapper subclass
+    of each tensorlist at the group's indices, None for plain tensors)."""
 
-    tensor_type: type
+    tensor_types: tuple[type | None, ...]
 
     def __new__(
-        cls, device: torch.device, dtype: torch.dtype, tensor_type: type
-    ) -> "_SubclassGroupKey":
+        cls,
+        device: torch.device,
+        dtype: torch.dtype,
+        tensor_types: tuple[type | None, ...],
+    ) -> Self:
         key = super().__new__(cls, (device, dtype))
-        key.tensor_type = tensor_type
+        key.tensor_types = tensor_types
         return key
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, _SubclassGroupKey)
             and tuple(self) == tuple(other)
-            and self.tensor_type is other.tensor_type
+            and self.tensor_types == other.tensor_types
         )
 
     def __ne__(self, other: object) -> bool:
         return not self == other
 
     def __hash__(self) -> int:
-        return hash((*self, self.tensor_type))
+        return hash((*self, self.tensor_types))
 
 
 def _device_has_foreach_support(device: torch.device) -> bool:

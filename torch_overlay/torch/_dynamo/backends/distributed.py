@@ -557,8 +557,8 @@ class DDPOptimizer:
         # 1: compute the partition map according to DDP bucket logic
         buckets = [Bucket()]  # (size, param_names)
         processed_modules: set[torch.nn.Module] = set()
-        # a value that kept a full bucket from being split off, for the log
-        not_split_at: fx.Node | None = None
+        # the values that kept a full bucket from being split off, for the warning
+        not_split_at: set[fx.Node] = set()
         for node in reversed(gm.graph.nodes):
             if node.op in ("output", "placeholder"):
                 continue
@@ -573,7 +573,7 @@ class DDPOptimizer:
                     # of their parallel modules: no split where one crosses.
                     # Such a bucket just grows, as expected for these models.
                     if buckets[0].non_splittable_inputs:
-                        not_split_at = next(iter(buckets[0].non_splittable_inputs))
+                        not_split_at |= buckets[0].non_splittable_inputs
                     else:
                         buckets.insert(0, Bucket())
                 else:
@@ -630,13 +630,16 @@ class DDPOptimizer:
                 raise AssertionError("Params should be empty if size is 0")
             del buckets[0]
 
-        if len(buckets) == 1 and not_split_at is not None:
-            log.info(
+        if len(buckets) == 1 and not_split_at:
+            first = next(n for n in gm.graph.nodes if n in not_split_at)
+            torch._logging.warning_once(
+                log,
                 "DDPOptimizer did not split this graph, so DDP's gradient "
                 "all-reduce will not overlap its backward: a tensor subclass "
                 "(e.g. DTensor) or an opaque object (e.g. DeviceMesh) crosses "
-                "every point where it would split it, such as %s.",
-                not_split_at.name,
+                "every point where it would split it, such as %s (the first "
+                "in graph order).",
+                first.name,
             )
 
         # stash buckets for testing/debugging purposes
