@@ -386,7 +386,7 @@ def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param) -> None:
     ddp = ddp_weakref()
     if ddp is None:
         return
-    grad = _local_tensor(param.grad)
+    grad = param.grad.to_local()  # grad mode is off in backward: no new tensor
     if local_tensor.grad is not grad:
         local_tensor.grad = grad
     ddp.reducer._autograd_hook(index)  # type: ignore[attr-defined]
@@ -1459,21 +1459,19 @@ class DistributedDataParallel(Module, Joinable):
             weakref.finalize(self, _remove_hooks, self._dtensor_hooks)
         return local_tensors
 
+    @torch.no_grad()
     def _sync_dtensor_grads(self) -> None:
         """Give each local tensor the local gradient of its DTensor parameter."""
         for module, name, param, local_tensor in self._dtensor_params:
-            if module._parameters.get(name) is not param or (
-                _local_tensor(param) is not local_tensor
-            ):
+            if module._parameters.get(name) is not param:
                 self._log_and_throw(
                     RuntimeError,
                     f"DistributedDataParallel: the DTensor parameter {name} of "
-                    f"{type(module).__name__} was replaced or moved after wrapping "
-                    "(e.g. load_state_dict(assign=True), to_empty()): do that "
-                    "before wrapping the module.",
+                    f"{type(module).__name__} was replaced after wrapping (e.g. by "
+                    "load_state_dict(assign=True)): do that before wrapping the module.",
                 )
             grad = param.grad
-            local_tensor.grad = None if grad is None else _local_tensor(grad)
+            local_tensor.grad = None if grad is None else grad.to_local()
 
     def _queue_dtensor_grad_views(self) -> None:
         # NOTE: Runs once every node of the backward ran, and so after the
@@ -1484,12 +1482,13 @@ class DistributedDataParallel(Module, Joinable):
             self._dtensor_grad_views
         )
 
+    @torch.no_grad()
     def _dtensor_grad_views(self) -> None:
         """Make the gradient of each DTensor parameter a DTensor of its local tensor's."""
         for _, _, param, local_tensor in self._dtensor_params:
             grad = local_tensor.grad
             if grad is not None and (
-                param.grad is None or _local_tensor(param.grad) is not grad
+                param.grad is None or param.grad.to_local() is not grad
             ):
                 param.grad = _as_dtensor(grad, param)
 
