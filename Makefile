@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 .PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
-	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack example
+	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack example quickstart
 
 install: $(VENV)/.installed
 
@@ -58,6 +58,11 @@ lint: install
 example: install
 	PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
 		$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/tp_ddp_train.py
+
+# The README's quick start as a new user follows it: a fresh venv (removed after) holding only torch $(TORCH), pinned,
+# then the quick start's commands as written, from `pip install` to the example's "OK: ..." line. No dev venv needed.
+quickstart:
+	$(PYTHON) -m tools.quickstart --torch $(TORCH)
 
 apply-overlay: install
 	$(PY) -m torch_overlay.activate
