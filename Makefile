@@ -79,9 +79,9 @@ check: install sources
 	$(PY) -m tools.check $(if $(WHEEL),--wheel $(WHEEL))
 
 # Every prefix of the installed base's series applied to its pristine files, its touched modules imported and the
-# tests its last patch adds run, all served from a scratch copy; then the stack rules on the upstream series.
-# CHECK_STACK_ARGS=--import-only skips the tests, --rules-only everything but the rules; --table prints the
-# README's stack table.
+# tests of every patch it applies run, all served from a scratch copy; then the stack rules on the upstream series.
+# CHECK_STACK_ARGS=--import-only skips the tests, --test-last runs them at the last prefix only (CI), --rules-only
+# skips everything but the rules; --table prints the README's stack table.
 check-stack: install sources
 	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) $(CHECK_STACK_ARGS)
 
