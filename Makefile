@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 .PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
-	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack example
+	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack example quickstart
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,11 @@ example: install
 	PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
 		$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/tp_ddp_train.py
 
+# The README's quick start as a new user follows it: a fresh venv (removed after) holding only torch $(TORCH), pinned,
+# then the quick start's commands as written, from `pip install` to the example's "OK: ..." line. No dev venv needed.
+quickstart:
+	$(PYTHON) -m tools.quickstart --torch $(TORCH)
+
 apply-overlay: install
 	$(PY) -m torch_overlay.activate
 
@@ -77,9 +82,9 @@ check: install sources
 	$(PY) -m tools.check $(if $(WHEEL),--wheel $(WHEEL))
 
 # Every prefix of the installed base's series applied to its pristine files, its touched modules imported and the
-# tests its last patch adds run, all served from a scratch copy; then the stack rules on the upstream series.
-# CHECK_STACK_ARGS=--import-only skips the tests, --rules-only everything but the rules; --table prints the
-# README's stack table.
+# tests of every patch it applies run, all served from a scratch copy; then the stack rules on the upstream series.
+# CHECK_STACK_ARGS=--import-only skips the tests, --test-last runs them at the last prefix only (CI), --rules-only
+# skips everything but the rules; --table prints the README's stack table.
 check-stack: install sources
 	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) $(CHECK_STACK_ARGS)
 

@@ -98,6 +98,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item.nodeid in red]
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    # NOTE: a multi-rank test spawns its ranks while it runs; with fewer GPUs than ranks they see none, and run
+    # on CPU with gloo instead of skipping (tools/rank_devices.py).
+    from tools.rank_devices import rank_env_here
+
+    env = rank_env_here(getattr(item, "cls", None))
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # NOTE: A MultiProcContinuousTest class skips every test after its first failure (the "poison pill").
     # On stock torch the red tests fail on purpose, on every rank at once, so each one is judged on its own.

@@ -6,12 +6,15 @@ base's backports, see :func:`prefixes`) are applied with ``git apply`` onto the 
 scratch copy of this project, whose payload (``torch_overlay/torch/...``) is that prefix's files, then serves
 them in fresh interpreters, through the same start-up hook the test suite uses (``test/overlay/boot``), so
 the spawned ranks get them too. Each runtime module the prefix touches is imported from it, the other
-touched files are compiled, and (unless ``--import-only``) the test files patch k adds (its ``tests`` in
-series.toml) run with pytest.
+touched files are compiled, and the test files of every patch applied (their ``tests`` in series.toml) run
+with pytest: a later patch must not break an earlier one's tests. ``--import-only`` runs no tests;
+``--test-last`` (CI) runs them at the last prefix only, which costs one run of every test instead of one per
+prefix that has it.
 
-Then the stack rules (:mod:`tools.stack_rules`) are checked on every patch of the upstream series.
+Then the stack rules (:mod:`tools.stack_rules`) are checked on every patch of the upstream series, and no
+patch may remove lines an earlier one added unless its message names that patch.
 
-    python -m tools.check_stack [--import-only] [--rules-only] [--wheel TORCH_WHEEL_OR_DIR ...]
+    python -m tools.check_stack [--import-only | --test-last] [--rules-only] [--wheel TORCH_WHEEL_OR_DIR ...]
     python -m tools.check_stack --table   # the README's table of the upstream stack
 """
 
@@ -33,7 +36,7 @@ from tools.patches import commit_message
 from tools.pristine import BaseSourceError, pristine
 from tools.project import Project, default_project
 from tools.series import Patch, SeriesError, load_series, series_for
-from tools.stack_rules import DiffStats, diff_stats, split_patch, violations
+from tools.stack_rules import DiffStats, diff_stats, reversion_problems, split_patch, violations
 from torch_overlay._guard import BaseMismatchError, check_base
 from torch_overlay._manifest import Base
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
@@ -124,12 +127,17 @@ def stack(project: Project, base_version: str | None = None) -> list[StackPatch]
 
 
 def rule_violations(project: Project) -> list[str]:
-    """Every stack rule broken by the upstream series, one line each, naming the patch."""
-    return [
+    """Every stack rule broken by the upstream series, one line each, naming the patch (both patches, where
+    one undoes lines of another)."""
+    entries = stack(project)
+    problems = [
         f"{entry.file.name}: {problem}"
-        for entry in stack(project)
+        for entry in entries
         for problem in violations(entry.patch, entry.message, entry.stats)
     ]
+    diffs = [split_patch(e.file.read_text(encoding="utf-8"))[1] for e in entries]
+    labels, patches = [e.file.name for e in entries], [e.patch for e in entries]
+    return problems + reversion_problems(labels, patches, [e.message for e in entries], diffs)
 
 
 def stack_table(project: Project) -> str:
@@ -197,6 +205,13 @@ class Prefix:
     error: str | None = None
     without: tuple[StackPatch, ...] = ()
     """Backports that do not apply after patch k: the prefix is checked without them."""
+    earlier: tuple[StackPatch, ...] = ()
+    """Patches 1..k-1."""
+
+    @property
+    def applied(self) -> tuple[StackPatch, ...]:
+        """Every patch of the prefix, in the order applied."""
+        return (*self.earlier, self.entry, *self.backports)
 
 
 def prefixes(project: Project, base: Base, pristine_files: dict[str, bytes]) -> Iterator[Prefix]:
@@ -213,22 +228,29 @@ def prefixes(project: Project, base: Base, pristine_files: dict[str, bytes]) -> 
     # NOTE: upstream test files are not in the wheel; their edits are checked against test/ by `make check`.
     excludes = [f"--exclude={path}" for path in edited]
     for k, entry in enumerate(entries, 1):
-        after = tuple(b for b in backports if b not in entries[:k])
+        after, earlier = tuple(b for b in backports if b not in entries[:k]), tuple(entries[: k - 1])
         try:
-            yield Prefix(
-                entry, after, apply_series(pristine_files, [e.file for e in entries[:k] + list(after)], excludes)
-            )
+            files = apply_series(pristine_files, [e.file for e in entries[:k] + list(after)], excludes)
+            yield Prefix(entry, after, files, earlier=earlier)
             continue
         except PatchApplyError as e:
             if not after or e.patch not in [b.file for b in after]:
-                yield Prefix(entry, after, None, f"{e.patch.name}: {e.stderr}")
+                yield Prefix(entry, after, None, f"{e.patch.name}: {e.stderr}", earlier=earlier)
                 continue
         try:
-            yield Prefix(
-                entry, (), apply_series(pristine_files, [e.file for e in entries[:k]], excludes), without=after
-            )
+            files = apply_series(pristine_files, [e.file for e in entries[:k]], excludes)
+            yield Prefix(entry, (), files, without=after, earlier=earlier)
         except PatchApplyError as e:
-            yield Prefix(entry, (), None, f"{e.patch.name}: {e.stderr}", after)
+            yield Prefix(entry, (), None, f"{e.patch.name}: {e.stderr}", after, earlier)
+
+
+def prefix_tests(prefix: Prefix) -> list[str]:
+    """The test files a prefix runs: those of every patch it applies, in order.
+
+    NOTE: every applied patch's, not only patch k's: a patch that undoes an earlier one's change fails the
+    earlier one's tests at the prefix that lands it, even where a later patch would restore the change.
+    """
+    return list(dict.fromkeys(t for e in prefix.applied for t in e.patch.tests if Path(t).name.startswith("test_")))
 
 
 def check_prefix(
@@ -236,7 +258,7 @@ def check_prefix(
     base: Base, python: str = sys.executable,
 ) -> PrefixResult:  # fmt: skip
     manifest = project.manifest()
-    entry, tree = prefix.entry, prefix.files
+    tree = prefix.files
     assert tree is not None, "only a prefix that applied is checked"
     # NOTE: a new module (no release ships it) is served from the prefix that adds it on.
     serve(scratch, {m.path: tree[m.path] for m in manifest.runtime_modules if m.path in tree}, base)
@@ -257,7 +279,7 @@ def check_prefix(
         if proc.returncode != 0:
             imported = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     result = PrefixResult(prefix, None, imported, modules)
-    tests = [t for t in entry.patch.tests if Path(t).name.startswith("test_")]
+    tests = prefix_tests(prefix)
     if import_only or imported is not None or not tests:
         return result
     start = time.monotonic()
@@ -284,17 +306,20 @@ def failure_lines(output: str, limit: int = 8) -> list[str]:
 
 def check_stack(
     project: Project, base: Base, pristine_files: dict[str, bytes], import_only: bool,
-    report: Callable[[str], None] = print,
+    report: Callable[[str], None] = print, test_last: bool = False,
 ) -> list[PrefixResult]:  # fmt: skip
-    """Check every prefix of the base's series, reporting one line per prefix as it goes."""
+    """Check every prefix of the base's series, reporting one line per prefix as it goes; ``test_last``: run the
+    tests at the last prefix only (every prefix is still applied and imported)."""
     results = []
+    last = len(stack(project, base.version))
     with tempfile.TemporaryDirectory(prefix="torch-overlay-stack-") as tmp:
         scratch = scratch_project(project, Path(tmp) / "project")
         for prefix in prefixes(project, base, pristine_files):
             if prefix.error is not None:
                 result = PrefixResult(prefix, prefix.error)
             else:
-                result = check_prefix(project, scratch, prefix, pristine_files, import_only, base)
+                untested = import_only or (test_last and prefix.entry.number != last)
+                result = check_prefix(project, scratch, prefix, pristine_files, untested, base)
             results.append(result)
             report(result.line())
     return results
@@ -302,7 +327,11 @@ def check_stack(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.check_stack", description=__doc__.splitlines()[0])
-    parser.add_argument("--import-only", action="store_true", help="apply and import every prefix; run no tests")
+    tests = parser.add_mutually_exclusive_group()
+    tests.add_argument("--import-only", action="store_true", help="apply and import every prefix; run no tests")
+    tests.add_argument(
+        "--test-last", action="store_true", help="apply and import every prefix; run every patch's tests at the last"
+    )
     parser.add_argument("--rules-only", action="store_true", help="check the stack rules only")
     parser.add_argument("--table", action="store_true", help="print the README's stack table (markdown) and exit")
     parser.add_argument(
@@ -325,10 +354,12 @@ def main(argv: list[str] | None = None) -> int:
             files = pristine(project, args.wheel).files(base)
             start = time.monotonic()
             print(f"check-stack: torch {base.version}, every prefix of its series")
-            results = check_stack(project, base, files, args.import_only)
+            results = check_stack(project, base, files, args.import_only, test_last=args.test_last)
             bad = [r for r in results if not r.ok]
             failed = bool(bad)
-            what = "applied and imported" if args.import_only else "applied, imported and tested"
+            what = "applied, imported and tested (each with the tests of every patch applied)"
+            if args.import_only or args.test_last:
+                what = "applied and imported" + (", the last tested with every patch's tests" if args.test_last else "")
             verdict = f"{len(bad)} of {len(results)} prefixes FAILED" if bad else f"all {len(results)} prefixes {what}"
             print(f"check-stack: torch {base.version}: {verdict} ({time.monotonic() - start:.0f} s)")
         problems = rule_violations(project)

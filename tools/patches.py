@@ -24,6 +24,7 @@ from pathlib import Path
 from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project
 from tools.series import Patch, SeriesError, edit_owner, file_states, load_author, load_series, load_snapshots
+from tools.stack_rules import reversion_problems, split_patch
 from torch_overlay import _git
 from torch_overlay._patchset import SERIES_FILE
 
@@ -229,7 +230,11 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
         git(repo, "commit", "--quiet", "-m", f"{manifest.package} {manifest.payload_base.version}")
         git(repo, "tag", "pristine")
         all_edits = upstream_edits(project, patches)
+        upstream = "HEAD"  # the last commit of the upstream series; the backports come after it
         for patch, state in zip(patches, states, strict=True):
+            if patch.fixed_upstream_in is not None and upstream == "HEAD":
+                git(repo, "tag", "upstream")
+                upstream = "upstream"
             tests = {}
             for test in patch.tests:
                 try:
@@ -242,17 +247,32 @@ def generate(project: Project, found: Pristine) -> dict[str, bytes]:
             commit = ["commit", "--quiet", "--allow-empty", "--cleanup=verbatim", "-F", "-"]
             git(repo, *commit, input=message, identity=author)
         names = [f"{k:04d}-{p.name}.patch" for k, p in enumerate(patches, 1)]
-        formatted = Path(tmp) / "formatted"
-        git(
-            repo, "format-patch", "--quiet", "--numbered", "--zero-commit", "--no-signature", "--full-index",
-            "--no-stat", "-o", str(formatted), "pristine..HEAD",
-        )  # fmt: skip
-        written = sorted(formatted.iterdir())
+        # NOTE: subjects count the upstream series ([PATCH k/n], n its length, as reviewers see the stack); the
+        # backports, which are not part of it, are numbered apart: [PATCH backport k/m].
+        written = _format_patch(repo, Path(tmp) / "formatted", f"pristine..{upstream}", "PATCH")
+        if upstream != "HEAD":
+            written += _format_patch(repo, Path(tmp) / "backports", "upstream..HEAD", "PATCH backport")
         assert len(written) == len(names), f"git format-patch wrote {len(written)} patches for {len(names)}"
         for name, file, edits in zip(names, written, all_edits, strict=True):
             out[name] = _splice(file.read_text(encoding="utf-8"), edits, manifest.payload_base.version).encode("utf-8")
+        # NOTE: where the diffs of an upstream test file do not follow each other, their line numbers say nothing
+        # of each other's lines: the sync check reports that file (chain_problems) instead.
+        unchained = {path for path, chain in edits_by_file(all_edits).items() if chain_problems(project, chain)}
+        messages, diffs = [commit_message(p) for p in patches], [split_patch(out[n].decode())[1] for n in names]
+        problems = reversion_problems(names, patches, messages, diffs, unchained)
+        if problems:
+            raise PatchError("a patch undoes another's change:\n  - " + "\n  - ".join(problems))
         out.update(series_indexes(manifest.versions, patches, names))
     return out
+
+
+def _format_patch(repo: Path, dest: Path, commits: str, prefix: str) -> list[Path]:
+    """``git format-patch`` of ``commits`` into ``dest``, numbered among themselves: the files in order."""
+    git(
+        repo, "format-patch", "--quiet", "--numbered", "--zero-commit", "--no-signature", "--full-index",
+        "--no-stat", f"--subject-prefix={prefix}", "-o", str(dest), commits,
+    )  # fmt: skip
+    return sorted(dest.iterdir())
 
 
 def _write(repo: Path, files: dict[str, bytes]) -> None:

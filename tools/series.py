@@ -1,13 +1,15 @@
 """``patches/series.toml``: the upstream series, and how the overlay's changes split into its patches.
 
 Each overlay file is diffed against its pristine base with zero context (difflib opcodes); every changed
-block must be claimed by exactly one patch. Patch k's version of a file is the base plus the blocks of
-patches 1..k, so applying the series in order rebuilds the overlay exactly.
+block must be claimed by exactly one patch. Patch k's version of a file it owns blocks of is the base plus the
+blocks of patches 1..k, so applying the series in order rebuilds the overlay exactly; a patch that owns no
+block of a file leaves it as the patches before it left it.
 
 A patch may instead give its version of a file explicitly (``snapshots``, kept at
 ``patches/snapshots/<patch>/<path>``): for a change that a later patch extends inside the same lines, so that
 no block split can cut it (e.g. parameters first, then gradients in the same functions). That patch claims no
-blocks of the file; the next patch's diff of it goes from the snapshot to its own version.
+blocks of the file; the file stays the snapshot until a patch that owns blocks of it (or gives another
+snapshot) changes it, and that patch's diff goes from the snapshot to its own version.
 
 A patch whose bug upstream fixed in a later release (``fixed_upstream_in = "X.Y.Z"``) is a backport: it is in
 the series of the bases older than X.Y.Z only, not in the upstream series. Backports come after every other
@@ -265,8 +267,10 @@ def file_states(
     snapshots: dict[tuple[str, str], bytes] | None = None,
 ) -> list[dict[str, bytes]]:
     """Each manifest file after patches 1..k, for k = 1..n (the last equals the overlay): the patch's snapshot
-    of the file (from :func:`load_snapshots`) where it has one, else the base plus the blocks of 1..k. A new
-    module (in ``overlay``, not in ``base``) is in a state from the patch that adds it on."""
+    of the file (from :func:`load_snapshots`) where it has one, else, where patch k owns blocks of the file,
+    the base plus the blocks of 1..k, else the file as patch k-1 left it (a patch changes only the files it
+    owns blocks or snapshots of). A new module (in ``overlay``, not in ``base``) is in a state from the patch
+    that adds it on."""
     owner = assign_blocks(patches, base, overlay)
     snapshots = snapshots or {}
     unknown = [f"{p.name}: {path}" for p in patches for path in p.snapshots if path not in base]
@@ -276,7 +280,7 @@ def file_states(
             "series.toml: snapshots of files not in the manifest, of new modules (one patch adds each whole) or "
             "not loaded: " + "; ".join(unknown + missing)
         )
-    states = []
+    states: list[dict[str, bytes]] = []
     for k, patch in enumerate(patches):
         state = {}
         for path in overlay:
@@ -284,10 +288,16 @@ def file_states(
                 state[path] = snapshots[patch.name, path]
                 continue
             content = base.get(path)
-            lines = (content or b"").decode("utf-8").splitlines(keepends=True)
             blocks = changed_blocks(path, content or b"", overlay[path])
-            if content is None and not any(owner[b] <= k for b in blocks):
-                continue  # a new module that no patch up to k adds
+            if not any(owner[b] == k for b in blocks):
+                # NOTE: a patch that neither owns a block of the file nor gives it as a snapshot leaves it as the
+                # patches before it left it: after an earlier patch's snapshot, base + blocks would undo it.
+                if states and path in states[-1]:
+                    state[path] = states[-1][path]
+                elif content is not None:
+                    state[path] = content
+                continue  # else a new module that no patch up to k adds
+            lines = (content or b"").decode("utf-8").splitlines(keepends=True)
             for block in reversed(blocks):
                 if owner[block] <= k:
                     lines[block.base_start : block.base_end] = block.new_lines

@@ -10,7 +10,8 @@ closed ones), a size a reviewer takes in one sitting, and nothing about how this
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 from tools.series import Patch
 
@@ -33,6 +34,7 @@ _COMMAND = re.compile(r"^\s*(?:\$\s*)?(?:python3?|pytest|torchrun)\s+\S", re.MUL
 _FIXES = re.compile(r"^\s*(?:Fixes|Closes|Resolves)\s+#(\d+)", re.IGNORECASE | re.MULTILINE)
 _RELATED = re.compile(r"^\s*Related:?\s+#(\d+)", re.IGNORECASE | re.MULTILINE)
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+_HUNK_AT = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
 @dataclass(frozen=True)
@@ -156,3 +158,134 @@ def size_problems(stats: DiffStats) -> list[str]:
 
 def _issues(numbers: tuple[int, ...] | list[int]) -> str:
     return ", ".join(f"#{n}" for n in numbers) if numbers else "none"
+
+
+@dataclass
+class Hunk:
+    """One hunk of a diff: where it starts on each side, its line counts, and its lines (tag, text)."""
+
+    old_start: int
+    old_count: int
+    new_start: int
+    new_count: int
+    lines: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def old_first(self) -> int:
+        """The first old line the hunk covers (for an insertion, ``old_count == 0``, the line after it)."""
+        return self.old_start if self.old_count else self.old_start + 1
+
+    @property
+    def new_first(self) -> int:
+        return self.new_start if self.new_count else self.new_start + 1
+
+
+def file_hunks(diff: str) -> dict[str, list[Hunk]]:
+    """Each file of a git diff (by its ``b/`` path) and its hunks, read by their line counts as :func:`diff_stats`."""
+    out: dict[str, list[Hunk]] = {}
+    hunks: list[Hunk] = []
+    old_left = new_left = 0
+    for line in diff.splitlines():
+        if old_left or new_left:
+            if line.startswith("\\"):  # "\ No newline at end of file" counts for neither side
+                continue
+            tag = line[:1] if line.startswith(("+", "-")) else " "
+            hunks[-1].lines.append((tag, line[1:]))
+            old_left -= tag != "+"
+            new_left -= tag != "-"
+        elif line.startswith("diff --git "):
+            hunks = out.setdefault(line.split(" b/", 1)[1], [])
+        elif (match := _HUNK_AT.match(line)) is not None:
+            old, new = (int(n) if n is not None else 1 for n in (match.group(2), match.group(4)))
+            hunks.append(Hunk(int(match.group(1)), old, int(match.group(3)), new))
+            old_left, new_left = old, new
+    return out
+
+
+@dataclass(frozen=True)
+class Reversion:
+    """A line that one patch of a series removes although an earlier patch of the series added it."""
+
+    patch: int
+    """Index of the patch whose diff removes the line."""
+    earlier: int
+    """Index of the patch that added it."""
+    path: str
+    line: int
+    """Its line number in the file as the patches before ``patch`` leave it."""
+    text: str
+
+
+def reversions(diffs: Sequence[str], skip: Collection[str] = ()) -> list[Reversion]:
+    """Every line that a diff of the series (in order, each made against the files the earlier ones leave)
+    removes, or changes, although an earlier diff of the series added it.
+
+    Each added line is followed, by its line number, through the later diffs of its file: exact for a series
+    that applies in order, whatever the lines say (two equal lines are two lines). A line the diff adds back
+    to the same file (the same text but for indentation) has moved, not gone: it keeps its patch. The files in
+    ``skip`` are not followed.
+    """
+    found: list[Reversion] = []
+    owners: dict[str, dict[int, int]] = {}  # path -> {line number now: index of the patch that added the line}
+    for k, diff in enumerate(diffs):
+        for path, hunks in file_hunks(diff).items():
+            if path in skip:
+                continue
+            owned, after, shift = owners.get(path, {}), {}, 0
+            kept = {text.strip() for hunk in hunks for tag, text in hunk.lines if tag == "+"}
+            pending = sorted(owned.items())
+            for hunk in hunks:
+                while pending and pending[0][0] < hunk.old_first:
+                    line, owner = pending.pop(0)
+                    after[line + shift] = owner
+                old, new = hunk.old_first, hunk.new_first
+                for tag, text in hunk.lines:
+                    if tag == "+":
+                        after[new] = k
+                    elif tag == "-" and old in owned and text.strip() not in kept:
+                        found.append(Reversion(k, owned[old], path, old, text))
+                    elif tag == " " and old in owned:
+                        after[new] = owned[old]
+                    old += tag != "+"
+                    new += tag != "-"
+                pending = [(line, owner) for line, owner in pending if line >= old]
+                shift += hunk.new_count - hunk.old_count
+            after.update((line + shift, owner) for line, owner in pending)
+            owners[path] = after
+    return found
+
+
+def names_patch(message: str, patch: Patch, number: int) -> bool:
+    """Whether a commit message names ``patch``, number ``number`` of its series: by its name, its title
+    (without the area tag; case and line breaks aside) or "patch <number>"."""
+    flat = " ".join(message.split()).lower()
+    title = " ".join(patch.title.split("] ", 1)[-1].split()).lower()
+    return patch.name in message or title in flat or re.search(rf"\bpatch\s+#?{number}\b", flat) is not None
+
+
+def reversion_problems(labels: Sequence[str], patches: Sequence[Patch], messages: Sequence[str],
+                       diffs: Sequence[str], skip: Collection[str] = ()) -> list[str]:  # fmt: skip
+    """Where a patch removes lines an earlier patch added and its message does not name that patch (one line
+    per pair, naming both, the first such line and the fix); ``labels`` name the patches in the lines, ``skip``
+    the files not followed (:func:`reversions`).
+
+    NOTE: a later patch may rework an earlier one's lines (a snapshot's new function, extended), but it must
+    say so: its message names the earlier patch and says why. Anything else is a patch carrying another's
+    change, which breaks the prefix in between (patch 3 dropping, and patch 4 restoring, patch 2's line).
+    """
+    problems = []
+    pairs: dict[tuple[int, int], list[Reversion]] = {}
+    for r in reversions(diffs, skip):
+        pairs.setdefault((r.patch, r.earlier), []).append(r)
+    for (k, j), found in sorted(pairs.items()):
+        if names_patch(messages[k], patches[j], j + 1):
+            continue
+        first = found[0]
+        lines = f"{len(found)} line{'s' if len(found) > 1 else ''}"
+        problems.append(
+            f"{labels[k]} removes {lines} that {labels[j]} added ({first.path}:{first.line}: {first.text.strip()!r})"
+            f", and its message does not name {labels[j]}: move the change to the patch that owns it, or say in "
+            f"{patches[k].name}'s Summary why it reworks {patches[j].name} (naming it by its name, its title or "
+            f'"patch {j + 1}")'
+        )
+    return problems

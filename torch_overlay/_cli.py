@@ -1,12 +1,14 @@
 """Command lines: ``python -m torch_overlay.activate [--revert|--status|--check]`` and ``torch-overlay``.
 
 Thin: parse arguments, call the library, print what happened, return an exit code (0 done, 1 refused or
-check failed).
+check failed; 141, quietly, when the reader of stdout went away, as for a Unix tool killed by SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -95,9 +97,11 @@ ACTIONS = {"apply": _apply, "revert": _revert, "status": _status, "check": _chec
 def run(action: str, patches_dir: Path | None = None) -> int:
     """Run ``action``; ``patches_dir`` (apply-patches only): None = the checkout's ``patches/``."""
     try:
-        if action == "apply-patches":
-            return _apply_patches(patches_dir)
-        return ACTIONS[action]()
+        code = _apply_patches(patches_dir) if action == "apply-patches" else ACTIONS[action]()
+        sys.stdout.flush()  # a closed stdout shows here, not at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except (BaseMismatchError, _fork.ForkError) as e:
         print(e, file=sys.stderr)
         return 1
@@ -108,6 +112,18 @@ def run(action: str, patches_dir: Path | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``--status | head -1``): end without a word, as a Unix tool does.
+
+    NOTE: Python ignores SIGPIPE, so the write raised instead; it would complain once more when it flushes
+    stdout at exit, so stdout goes to /dev/null first. What the command did is done (only printing stopped).
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def activate_main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,7 @@ class TestPatches(expecttest.TestCase):
 From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
 From: Pat Maintainer <pat@example.com>
 Date: Thu, 1 Jan 2026 00:00:00 +0000
-Subject: [PATCH 1/3] [FSDP] Fix line 3
+Subject: [PATCH 1/2] [FSDP] Fix line 3
 
 Summary:
 Line 3 was wrong.
@@ -96,7 +96,7 @@ Fixes #12345
 From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
 From: Pat Maintainer <pat@example.com>
 Date: Thu, 1 Jan 2026 00:00:00 +0000
-Subject: [PATCH 3/3] [FSDP] Backport line 12
+Subject: [PATCH backport 1/1] [FSDP] Backport line 12
 
 Summary:
 Line 12, as upstream fixed it in 9.9.0.
@@ -413,10 +413,26 @@ series.toml does not split the overlay into its patches:
             write_files(self.project.patches_dir / "snapshots" / patch, {path: text})
         return self.project.patches_dir / "snapshots" / patch / path
 
+    def name_in_summary(self, patch: str, text: str) -> None:
+        """Add ``text`` to the Summary of ``patch``."""
+        toml = self.project.series_toml
+        head, entry = toml.read_text().split(f'name = "{patch}"\n', 1)
+        toml.write_text(head + f'name = "{patch}"\n' + entry.replace('summary = """\n', f'summary = """\n{text}\n', 1))
+
     def test_snapshot_is_the_patch_version_of_a_file(self) -> None:
         """fix-alpha gives beta.py a first step that extend's blocks cannot give (the same line)."""
         first_step = BASE["torch/fake/beta.py"].replace("return 1", "return 2")
         snapshot = self.snapshot("fix-alpha", "torch/fake/beta.py", first_step)
+        # extend changes the line fix-alpha added: refused until its message names fix-alpha and says why
+        with self.assertRaises(PatchError) as e:
+            generate(self.project, self.found)
+        self.assertExpectedInline(
+            str(e.exception),
+            """\
+a patch undoes another's change:
+  - 0002-extend.patch removes 1 line that 0001-fix-alpha.patch added (torch/fake/beta.py:2: 'return 2'), and its message does not name 0001-fix-alpha.patch: move the change to the patch that owns it, or say in extend's Summary why it reworks fix-alpha (naming it by its name, its title or "patch 1")""",  # noqa: E501
+        )
+        self.name_in_summary("extend", "It extends the value that the previous PR, 'Fix line 3', returns.")
         files = self.regenerate()
         self.assertIn("-    return 1\n+    return 2\n", files["0001-fix-alpha.patch"].decode())
         self.assertIn("-    return 2\n+    return 2  # extended\n", files["0002-extend.patch"].decode())
@@ -439,6 +455,43 @@ series.toml does not split the overlay into its patches:
             "patches/snapshots/fix-alpha/torch/fake/beta.py",
             problems,
         )
+
+    def test_a_patch_leaves_the_files_it_does_not_own(self) -> None:
+        """After fix-alpha's snapshot of beta.py, extend (which owns no block of it) leaves it as the snapshot;
+        the third patch, which owns beta.py's block, takes it on. (Before, extend set it back to the base.)"""
+        toml = self.project.series_toml
+        text = toml.read_text().replace('fixed_upstream_in = "9.9.0"\n', "")  # three upstream patches
+        beta = '  { file = "torch/fake/beta.py", match = "extended" },\n'
+        text = text.replace(beta, "").replace('match = "backported" }', f'match = "backported" }},\n{beta}', 1)
+        toml.write_text(text)
+        first_step = BASE["torch/fake/beta.py"].replace("return 1", "return 2")
+        self.snapshot("fix-alpha", "torch/fake/beta.py", first_step)
+        self.name_in_summary("backport", "It extends the value that patch 1 returns.")
+        files = self.regenerate()
+        self.assertNotIn("beta.py", files["0002-extend.patch"].decode())
+        self.assertIn("-    return 2\n+    return 2  # extended\n", files["0003-backport.patch"].decode())
+        self.assertEqual(self.check(), [])
+
+    def test_a_patch_that_removes_an_earlier_patch_line_is_refused(self) -> None:
+        """extend's diff of the shared upstream test sets fix-alpha's line back, as a carried hunk would."""
+        share_upstream_edit(self.project, self.tmp)
+        path = "test/fake/test_upstream.py"
+        reverted = SHARED_NEW.replace("def test_a():\n    assert 2", "def test_a():\n    assert 1")
+        diff = git_diff(SHARED_MID, reverted, path, self.tmp / "revert")
+        write_files(self.project.root, {
+            f"test/upstream_edits/{path}.extend.diff": "Upstream-Base: pytorch/pytorch@abc123\n" + diff, path: reverted,
+        })  # fmt: skip
+        with self.assertRaises(PatchError) as e:
+            generate(self.project, self.found)
+        self.assertExpectedInline(
+            str(e.exception),
+            """\
+a patch undoes another's change:
+  - 0002-extend.patch removes 1 line that 0001-fix-alpha.patch added (test/fake/test_upstream.py:5: 'assert 2'), and its message does not name 0001-fix-alpha.patch: move the change to the patch that owns it, or say in extend's Summary why it reworks fix-alpha (naming it by its name, its title or "patch 1")""",  # noqa: E501
+        )
+        self.name_in_summary("extend", "It sets test_a back, as 'Fix line 3' made the line assert too much.")
+        self.regenerate()
+        self.assertEqual(self.check(), [])
 
     def test_snapshot_errors(self) -> None:
         toml = self.project.series_toml.read_text()

@@ -2,14 +2,17 @@
 TORCH_OVERLAY=0, status and check, revert, and a start-up hook that can never break interpreter start-up."""
 
 import json
+import os
 import re
 import stat
+import subprocess
+import sys
 import tempfile
 import unittest
 from pathlib import Path
 
 from expecttest import TestCase
-from scratch_env import PROBE, ScratchVenv, clean_env, probe, run, tamper, torch_tree
+from scratch_env import PROBE, REPO_ROOT, ScratchVenv, clean_env, probe, run, tamper, torch_tree
 
 from torch_overlay._guard import check_base
 from torch_overlay._manifest import load_manifest
@@ -148,6 +151,22 @@ this process:  active (the base is checked at the first import of a replaced mod
             self.assertEqual(len(lines), 1, result.stderr)
             self.assertIn("torch_overlay: start-up hook", lines[0])
             self.assertIn("did nothing", lines[0])
+
+
+class ClosedStdoutTest(unittest.TestCase):
+    def test_a_closed_stdout_ends_the_cli_quietly(self):
+        """`--status | head -1`: the reader goes away; the command ends as a Unix tool killed by SIGPIPE does
+        (status 141, no message), and does not blame the environment's permissions."""
+        read, write = os.pipe()
+        os.close(read)  # gone before the first write, so that every write fails
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "torch_overlay.activate", "--status"],
+                stdout=write, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO_ROOT, timeout=300,
+            )  # fmt: skip
+        finally:
+            os.close(write)
+        self.assertEqual((result.returncode, result.stderr), (141, ""))
 
 
 if __name__ == "__main__":

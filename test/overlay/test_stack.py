@@ -4,10 +4,12 @@ series applied and served from a scratch copy, the stack table; one real prefix 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tempfile
 import textwrap
 import unittest
 from pathlib import Path
+from unittest import mock
 
 import expecttest
 from _patch_project import BASE, GAMMA, add_new_module, make_project
@@ -16,7 +18,9 @@ from tools.check_stack import (
     Prefix,
     PrefixResult,
     check_prefix,
+    check_stack,
     failure_lines,
+    prefix_tests,
     prefixes,
     rule_violations,
     scratch_project,
@@ -28,7 +32,7 @@ from tools.patches import commit_message, generate, write
 from tools.pristine import pristine
 from tools.project import default_project
 from tools.series import Patch
-from tools.stack_rules import diff_stats, violations
+from tools.stack_rules import Reversion, diff_stats, reversions, violations
 from torch_overlay._guard import check_base
 
 GOOD = Patch(
@@ -47,6 +51,42 @@ GOOD_MESSAGE = "[FSDP] Fix the offload warning\n\nSummary:\n...\n\nTest Plan:\np
 def _diff(path: str, added: int, removed: int = 0, text: str = "x = 1") -> str:
     body = "".join(f"-{text}\n" for _ in range(removed)) + "".join(f"+{text}\n" for _ in range(added))
     return f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,{removed} +1,{added} @@\n{body}"
+
+
+def _udiff(path: str, old: list[str], new: list[str]) -> str:
+    """A git-style diff of ``path`` from lines ``old`` to lines ``new`` (3 lines of context)."""
+    lines = difflib.unified_diff([f"{s}\n" for s in old], [f"{s}\n" for s in new], f"a/{path}", f"b/{path}")
+    return f"diff --git a/{path} b/{path}\n" + "".join(lines)
+
+
+class TestReversions(unittest.TestCase):
+    def test_each_added_line_is_followed_through_the_later_diffs(self) -> None:
+        v0 = [f"line {n}" for n in range(1, 21)]
+        v1 = v0[:10] + ["one A", "one B"] + v0[10:14] + ["one C"] + v0[15:]
+        v2 = ["two X", "two Y", "two Z"] + [line for line in v1 if line != "one B"]
+        v2[v2.index("one C")] = "    one C"  # moved (re-indented): not a removal
+        v3 = [line for line in v2 if line not in ("one A", "two X")]
+        diffs = [_udiff("torch/a.py", a, b) for a, b in ((v0, v1), (v1, v2), (v2, v3))]
+        self.assertEqual(
+            reversions(diffs),
+            [
+                Reversion(1, 0, "torch/a.py", 12, "one B"),
+                Reversion(2, 1, "torch/a.py", 1, "two X"),
+                Reversion(2, 0, "torch/a.py", 14, "one A"),
+            ],
+        )
+        self.assertEqual(reversions(diffs, skip={"torch/a.py"}), [])
+
+    def test_a_new_file_and_base_lines(self) -> None:
+        """Removing a base line is no reversion; removing a line of a file an earlier patch added whole is."""
+        one = _udiff("torch/a.py", ["base"], ["base", "one"])
+        new_file = "diff --git a/test/t.py b/test/t.py\nnew file mode 100644\n--- /dev/null\n+++ b/test/t.py\n"
+        one += new_file + "@@ -0,0 +1,2 @@\n+def test():\n+    pass\n"
+        two = _udiff("torch/a.py", ["base", "one"], ["one"]) + _udiff("test/t.py", ["def test():", "    pass"], [])
+        self.assertEqual(
+            reversions([one, two]),
+            [Reversion(1, 0, "test/t.py", 1, "def test():"), Reversion(1, 0, "test/t.py", 2, "    pass")],
+        )
 
 
 class TestStackRules(expecttest.TestCase):
@@ -214,6 +254,35 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
 | 1 | [FSDP] Fix line 3 | 2 / 4 | [#12345](https://github.com/pytorch/pytorch/issues/12345) | `test/fake/test_one.py` |
 | 2 | [2D] Extend alpha and beta | 4 / 8 | - | `test/fake/test_two.py`, `test/fake/test_upstream.py` |""",
         )
+
+    def test_a_patch_that_removes_an_earlier_patch_line_breaks_the_rules(self) -> None:
+        """A patch file that sets an earlier patch's line back (made by hand, or by an older generator)."""
+        patch = self.project.patches_dir / "0002-extend.patch"
+        header, hunk = "+++ b/torch/fake/alpha.py\n", "@@ -2,3 +2,3 @@\n line 2\n-line 3 fixed\n+line 3\n line 4\n"
+        patch.write_text(patch.read_text().replace(header, header + hunk, 1))
+        self.assertExpectedInline(
+            "\n".join(rule_violations(self.project)[1:]),
+            """0002-extend.patch removes 1 line that 0001-fix-alpha.patch added (torch/fake/alpha.py:3: 'line 3 fixed'), and its message does not name 0001-fix-alpha.patch: move the change to the patch that owns it, or say in extend's Summary why it reworks fix-alpha (naming it by its name, its title or "patch 1")""",  # noqa: E501
+        )
+
+    def test_every_prefix_runs_the_tests_of_every_patch_it_applies(self) -> None:
+        base = self.project.manifest().base("9.8.0")
+        found = list(prefixes(self.project, base, self.found.files(base)))
+        one, two, three = ("test/fake/test_one.py", "test/fake/test_two.py", "test/fake/test_three.py")
+        self.assertEqual([prefix_tests(p) for p in found], [[one], [one, two, three], [one, two, three]])
+
+    def test_test_last_runs_the_tests_at_the_last_prefix_only(self) -> None:
+        base = self.project.manifest().base("9.8.0")
+
+        def check(*args: object) -> PrefixResult:  # check_prefix(project, scratch, prefix, files, import_only, base)
+            prefix, import_only = args[2], args[4]
+            assert isinstance(prefix, Prefix)
+            return PrefixResult(prefix, None, tests=None if import_only else "ran")
+
+        with mock.patch("tools.check_stack.check_prefix", side_effect=check):
+            for test_last, expected in ((False, ["ran", "ran", "ran"]), (True, [None, None, "ran"])):
+                results = check_stack(self.project, base, self.found.files(base), False, lambda _: None, test_last)
+                self.assertEqual([r.tests for r in results], expected)
 
     def test_one_line_per_prefix(self) -> None:
         one, two, backport = stack(self.project, "9.8.0")
