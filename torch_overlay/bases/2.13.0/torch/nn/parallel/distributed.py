@@ -372,10 +372,13 @@ class _BufferCommHook:
 
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor parameter, which DDP reduces, else ``tensor``."""
-    from torch.distributed.tensor.parallel._data_parallel_utils import _flatten_tensor
+    """The local tensor of a DTensor (a view of it for a parameter), else ``tensor``."""
+    from torch.distributed.tensor import DTensor
 
-    return _flatten_tensor(tensor)[0]
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():  # no autograd: the local tensor itself
+        return tensor.to_local()
 
 
 def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param) -> None:
@@ -1437,6 +1440,10 @@ class DistributedDataParallel(Module, Joinable):
                     "DistributedDataParallel's mixed_precision does not support "
                     "DTensor parameters: use torch.autocast instead.",
                 )
+            # The reducer's own leaf, an alias of the local tensor: the forward
+            # uses the DTensor parameter.
+            local_tensor = _local_tensor(param.detach()).requires_grad_()
+            local_tensors[index] = local_tensor
             self._dtensor_params.append((*owners[param], param, local_tensor))
             hook = functools.partial(
                 _reduce_dtensor_grad, weakref.ref(self), index, local_tensor
@@ -1446,7 +1453,6 @@ class DistributedDataParallel(Module, Joinable):
             weakref.finalize(self, _remove_hooks, self._dtensor_hooks)
         return local_tensors
 
-    @torch.no_grad()
     def _sync_dtensor_grads(self) -> None:
         """Give each local tensor the local gradient of its DTensor parameter."""
         for module, name, param, local_tensor in self._dtensor_params:
@@ -1458,7 +1464,7 @@ class DistributedDataParallel(Module, Joinable):
                     "load_state_dict(assign=True)): do that before wrapping the module.",
                 )
             grad = param.grad
-            local_tensor.grad = None if grad is None else grad.to_local()
+            local_tensor.grad = None if grad is None else _local_tensor(grad)
 
     def _queue_dtensor_grad_views(self) -> None:
         # NOTE: Runs once every node of the backward ran, and so after the
@@ -1469,13 +1475,12 @@ class DistributedDataParallel(Module, Joinable):
             self._dtensor_grad_views
         )
 
-    @torch.no_grad()
     def _dtensor_grad_views(self) -> None:
         """Make the gradient of each DTensor parameter a DTensor of its local tensor's."""
         for _, _, param, local_tensor in self._dtensor_params:
             grad = local_tensor.grad
             if grad is not None and (
-                param.grad is None or param.grad.to_local() is not grad
+                param.grad is None or _local_tensor(param.grad) is not grad
             ):
                 param.grad = _as_dtensor(grad, param)
 
