@@ -1425,13 +1425,11 @@ class DistributedDataParallel(Module, Joinable):
             self.process_group, states, self.broadcast_bucket_size, src
         )
 
-    # NOTE [DTensor parameters]: a tensor parallel module keeps its DTensor
-    # parameters, and their gradients accumulate as with tensor parallelism
-    # alone. The reducer buckets their local tensors instead: a post-accumulate
-    # grad hook on each hands the reducer the gradient's local tensor as the
-    # local tensor's gradient and fires the reducer's hook, so the reducer
-    # averages it in place (or, with gradient_as_bucket_view, the parameter's
-    # gradient becomes a DTensor of its bucket view).
+    # NOTE [DTensor parameters]: the module keeps its DTensor parameters, whose
+    # gradients accumulate as with tensor parallelism alone. The reducer holds
+    # aliases of their local tensors: a post-accumulate grad hook on each hands
+    # over the gradient's local tensor and fires the reducer's hook, which
+    # averages it in place (with gradient_as_bucket_view, in the bucket view).
     def _register_dtensor_params(self, parameters):
         """Return the tensors for the reducer: the local tensors of DTensor parameters."""
         for handle in getattr(self, "_dtensor_hooks", []):  # a rebuilt reducer
@@ -1480,10 +1478,8 @@ class DistributedDataParallel(Module, Joinable):
             local_tensor.grad = None if grad is None else _local_tensor(grad)
 
     def _queue_dtensor_grad_views(self) -> None:
-        # NOTE: Runs once every node of the backward ran, and so after the
-        # reducer queued its finalization (when its last bucket got ready), which
-        # may give unused parameters new gradients: queued again, the views run
-        # after it.
+        # NOTE: Runs after every node of the backward, so after the reducer
+        # queued its finalization, which may give unused parameters gradients.
         Variable._execution_engine.queue_callback(  # type: ignore[call-arg,misc]
             self._dtensor_grad_views
         )
