@@ -10,6 +10,7 @@ import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp._common_utils import HandleTrainingState
+from torch.distributed.fsdp._flat_param import FlatParamHandle
 from torch.testing._internal.common_utils import run_tests
 
 from common_fsdp_unshard import batch, BodyError, FSDPUnshardTest, reference_model
@@ -36,6 +37,64 @@ def _edit(params, with_grads: bool = False) -> None:
 
 def _summon_rank0(model: FSDP, **kwargs):
     return FSDP.summon_full_params(model, writeback=True, rank0_only=True, **kwargs)
+
+
+# What the other ranks raise when the writeback failed on one rank
+FAILED_ELSEWHERE = "failed on another rank .*: nothing was written back"
+
+
+class Injected(Exception):
+    """A failure forced on one rank."""
+
+
+# Where a rank fails: (owner, attribute, raises after running). A collective raises
+# after running (one that a rank never runs cannot be matched by any other), and so
+# does a free (which leaves a parameter unsharded, until resharded, if it never runs).
+POINTS = {
+    # On entry, before the ranks agree (any rank; for "alloc", rank 0)
+    "pre_unshard": (FlatParamHandle, "pre_unshard", False),
+    "alloc": (FlatParamHandle, "_alloc_padded_unsharded_flat_param", False),
+    "gather": (dist, "gather", True),
+    # After the gather, before the body (any rank; for "to_cpu" and "unflatten",
+    # rank 0; for "early_free", the others, which free the full parameter)
+    "post_unshard": (FlatParamHandle, "post_unshard", False),
+    "to_cpu": (FlatParamHandle, "to_cpu", False),
+    "unflatten": (FlatParamHandle, "unflatten_as_params", False),
+    "grad_views": (FlatParamHandle, "_use_unsharded_grad_views", False),
+    "early_free": (unshard_param_utils, "_reshard", False),
+    "body": None,
+    # Upon exit, after the ranks agreed to write back: only that rank raises
+    "scatter": (dist, "scatter", True),
+    "free": (unshard_param_utils, "_reshard", True),
+    "grad_free": (unshard_param_utils, "_reshard_grads", True),
+}
+AFTER_AGREEMENT = ("scatter", "free", "grad_free")
+
+
+def _fail_once(point: str, fails: bool, fired: list):
+    """Patches ``point`` to raise ``Injected`` at its first call if ``fails``."""
+    if POINTS[point] is None:
+        return contextlib.nullcontext()
+    owner, name, after = POINTS[point]
+    original = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        if not fails or fired:
+            return original(*args, **kwargs)
+        fired.append(point)
+        if not after:
+            raise Injected(point)
+        result = original(*args, **kwargs)
+        if result is None:
+            raise Injected(point)
+
+        def wait():  # an asynchronous collective: it raises once finished
+            result.wait()
+            raise Injected(point)
+
+        return mock.Mock(wait=wait)
+
+    return mock.patch.object(owner, name, failing)
 
 
 class _Rank0WritebackTest(FSDPUnshardTest):
@@ -88,7 +147,9 @@ class _Rank0WritebackTest(FSDPUnshardTest):
     def _test_body_raises(self, with_grads, **kwargs):
         model, reference = self._models(with_grads, **kwargs)
         raises = self.assertRaisesRegex(BodyError, "after the edit")
-        with raises if self.rank == 0 else contextlib.nullcontext():
+        if self.rank != 0:
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        with raises:
             with _summon_rank0(model, with_grads=with_grads):
                 if self.rank == 0:
                     _edit(list(model.parameters()), with_grads)
@@ -107,7 +168,9 @@ class _Rank0WritebackTest(FSDPUnshardTest):
         model, reference = self._models(with_grads, **kwargs)
         before = [p.detach().clone() for p in model.parameters()]
         raises = self.assertRaisesRegex(BodyError, "after the edit")
-        with raises if self.rank == 0 else contextlib.nullcontext():
+        if self.rank != 0:
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        with raises:
             with _summon_rank0(model, with_grads=with_grads), torch.no_grad():
                 params = list(model.parameters())
                 if self.rank == 0:
@@ -123,6 +186,51 @@ class _Rank0WritebackTest(FSDPUnshardTest):
             before = [torch.full_like(p, 123.0) for p in before]
         for p, expected in zip(model.parameters(), before, strict=True):
             self.assertEqual(p, expected, atol=0, rtol=0)
+
+    def _test_failure(self, point, fail_rank, nested, with_grads, **kwargs):
+        """
+        ``point`` fails on ``fail_rank``, in the first unit it reaches (of two if
+        ``nested``). Before the ranks agree to write back, every rank raises and
+        each keeps its parameters and gradients (hangs fail within the process
+        group's timeout); after, only that rank raises, and each has rank 0's edits.
+        Either way FSDP is idle and trains on.
+        """
+        if point == "to_cpu" and self.device.type == "cpu":
+            return  # ``offload_to_cpu`` copies nothing on a CPU compute device
+        if nested:
+            model, reference = self._models(with_grads, **kwargs)
+        else:
+            reference = reference_model()
+            kwargs["device_id"] = self.device
+            model = FSDP(copy.deepcopy(reference), self.process_group, **kwargs)
+            if with_grads:
+                for m, device in [(model, self.device), (reference, "cpu")]:
+                    m(batch().to(device)).sum().backward()
+        fails, fired = self.rank == fail_rank, []
+        if fails:
+            raises = self.assertRaisesRegex(Injected, point)
+        elif point in AFTER_AGREEMENT:
+            raises = contextlib.nullcontext()
+        else:
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        offload_to_cpu = point == "to_cpu"
+        with _fail_once(point, fails, fired), raises:
+            with _summon_rank0(
+                model, with_grads=with_grads, offload_to_cpu=offload_to_cpu
+            ):
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+                if fails and point == "body":
+                    raise Injected(point)
+        self.assertEqual(fired, [point] if fails and point != "body" else [])
+        self._check_idle_and_resharded(model)
+        if point in AFTER_AGREEMENT:
+            _edit(list(reference.parameters()), with_grads)
+        self._check_full(model, reference, with_grads)
+        self._check_writeback(model, reference, with_grads)
+
+    def _test_failure_at(self, point_and_rank, **kwargs):
+        self._test_failure(*point_and_rank, **kwargs, use_orig_params=False)
 
     def _test_padding_stays_zeros(self, with_grads, **kwargs):
         model, _ = self._models(backward=True, **kwargs)
@@ -178,6 +286,26 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         """
         config = {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH}
         self.run_subtests(config, self._test_padding_stays_zeros, with_grads=False)
+
+    def test_rank0_writeback_failure(self):
+        """
+        A rank fails at any point of the writeback: no rank hangs, and all agree.
+        """
+        self.run_subtests(
+            {
+                "point_and_rank": [
+                    (point, rank)
+                    for point in POINTS
+                    for rank in (0, 1)
+                    if not (point in ("alloc", "to_cpu", "unflatten", "free") and rank)
+                    and not (point == "early_free" and not rank)
+                    and "grad" not in point
+                ],
+                "nested": BOTH,
+            },
+            self._test_failure_at,
+            with_grads=False,
+        )
 
     def test_rank0_writeback_single_state(self):
         """``_unshard_fsdp_state_params()`` (state-dict paths) writes back one state."""

@@ -138,6 +138,29 @@ class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
             with_grads=True,
         )
 
+    def test_rank0_writeback_grads_failure(self):
+        """
+        A rank fails where gradients add a step: no rank hangs, and all agree on the
+        gradients too.
+        """
+        self.run_subtests(
+            {
+                "point_and_rank": [
+                    ("gather", 1),
+                    ("post_unshard", 0),
+                    ("grad_views", 0),
+                    ("early_free", 1),
+                    ("body", 1),
+                    ("scatter", 0),
+                    ("grad_free", 0),
+                    ("grad_free", 1),
+                ],
+                "nested": BOTH,
+            },
+            self._test_failure_at,
+            with_grads=True,
+        )
+
     def test_rank0_writeback_grads_collectives(self):
         config = {"fail": [None, "scatter"]}
         self.run_subtests(config, self._test_collectives, with_grads=True)
