@@ -2,7 +2,7 @@
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import cast
 
 import torch
@@ -76,31 +76,25 @@ def _writeback_to_local_shard(
 
 # NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
 # source is global rank 0: rank 0 of the state's process group and, for hybrid
-# sharding, of its replicate group. The states of one call share a
-# ``_Rank0Writeback``, and the ranks run the same collectives in the same order,
-# even when one fails:
-# - An agreement is one all-reduce of the same flags: whether a rank failed,
-#   has a gradient, has one in another dtype. A rank that fails after one
-#   agrees again upon exit, which meets the others' next agreement, whichever
-#   it is. Once one says a rank failed, no rank agrees again, nothing is
-#   written back, and every rank raises (the others a RuntimeError).
+# sharding, of its replicate group. The ranks run the same collectives in the
+# same order, even when one fails. Each agreement is one all-reduce of the same
+# flags (a rank failed, has a gradient, has one in another dtype), so that a
+# rank that fails after one, and agrees upon exit, meets the others' next one,
+# whichever it is; once one says a rank failed, no rank agrees again.
 # - Entry, per state: each rank does what may fail (the source allocates the
 #   unsharded parameter and gradient; ``NO_SHARD``: copies them, to restore or
 #   to edit), then the ranks agree. Then sharded strategies gather the shards
 #   to the source, within its replica (zeros from a rank without a gradient),
 #   and the source prepares the body (``offload_to_cpu``, unflattening,
 #   gradient views). The other ranks never allocate the unsharded ones.
-# - Exit, once every state exited (with ``offload_to_cpu`` on an accelerator,
-#   once each did: one unsharded state at a time on the device): each rank
-#   allocates what it receives into, then the ranks agree. If none failed, the
-#   source zeros the padding and scatters each rank its shard of the parameter,
-#   then of the gradient (``NO_SHARD`` broadcasts); for hybrid sharding, its
-#   replica then broadcasts them to the others. Else nothing moves but
-#   ``NO_SHARD``'s parameter: the source broadcasts its values from before.
-# - The scatters run concurrently; once all finished, each state frees its
-#   unsharded copies, and a rank without a gradient takes the one it received
-#   (zeros where the source had none). An error there (a failed collective)
-#   raises on its rank only, once all finished and all states are idle again.
+# - Exit, once all states exited (each, with ``offload_to_cpu`` on an
+#   accelerator: one unsharded state at a time): each rank allocates what it
+#   receives into, then the ranks agree. If none failed, the source zeros the
+#   padding and scatters each rank its shard of the parameter, then of the
+#   gradient (``NO_SHARD`` broadcasts; for hybrid sharding, its replica then
+#   broadcasts them on). Else only ``NO_SHARD``'s parameter moves: the source
+#   broadcasts its values from before. The scatters run concurrently; once all
+#   finished, each state frees its unsharded copies.
 
 
 # The state's process group, then for hybrid sharding its replicate group
@@ -130,11 +124,8 @@ class _Rank0Writeback:
 
     def agree(self, grad=None, dtype=None) -> bool:
         """Returns whether any rank has a gradient (see the NOTE)."""
-        flags = [
-            not self.ok,
-            grad is not None,
-            grad is not None and grad.dtype != dtype,
-        ]
+        has = grad is not None
+        flags = [not self.ok, has, has and grad.dtype != dtype]
         result = torch.tensor(flags, dtype=torch.int32, device=self.device)
         for group in self.groups:  # for hybrid sharding, in the replica, then across
             dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
@@ -202,10 +193,10 @@ class _Rank0State:
             self.send = (
                 torch.zeros_like(flat_param._local_shard) if own is None else own
             )
-            self.send_buffer = self.send.to(handle.device)  # CPUOffload
+            self.send_buffer = buffer = self.send.to(handle.device)  # CPUOffload
             if self.is_src:  # sharded: gathered into; `NO_SHARD`: a copy to edit
                 size = flat_param._padded_unsharded_size if self.sharded else None
-                self.grad = self.send_buffer.new_empty(size or self.send.size())
+                self.grad = buffer.new_empty(size) if size else buffer.clone()
 
     @torch.no_grad()
     def unshard(self) -> None:
@@ -221,10 +212,7 @@ class _Rank0State:
         handle.post_unshard()
         if self.grads and self.is_src:
             size = flat_param._unpadded_unsharded_size
-            if self.sharded:
-                flat_param.grad = self.grad[: size.numel()].view(size)
-            else:
-                flat_param.grad = self.grad.copy_(self.send_buffer)
+            flat_param.grad = self.grad[: size.numel()].view(size)
             if handle._use_orig_params:
                 handle._use_unsharded_grad_views()
 
@@ -248,18 +236,13 @@ class _Rank0State:
         if write and self.grads and self.sharded:
             self._scatter(works, self.grad, self.send, self.send_buffer)
         elif write and self.grads:  # the source's copy, to the others' gradients
-            out = self.grad if self.is_src else self.send
-            self._scatter(
-                works, None, out, self.grad if self.is_src else self.send_buffer
-            )
+            out = (self.grad,) if self.is_src else (self.send, self.send_buffer)
+            self._scatter(works, None, *out)
 
     def _scatter(self, works: list, padded, out: torch.Tensor, buffer=None) -> None:
         """Starts writing the source's ``padded`` to each rank's shard ``out``."""
-        groups, handle, buffer = (
-            self.groups,
-            self.handle,
-            out if buffer is None else buffer,
-        )
+        groups, handle = self.groups, self.handle
+        buffer = out if buffer is None else buffer
         if not self.sharded:
             work = dist.broadcast(buffer, group=groups[0], group_src=0, async_op=True)
         elif _is_rank0(groups, replica_only=True):
@@ -278,12 +261,8 @@ class _Rank0State:
 
     def free(self) -> None:
         """Frees the copies; a rank without a gradient takes the one it received."""
-        handle, flat_param, own, written = (
-            self.handle,
-            self.handle.flat_param,
-            self.own,
-            self.written,
-        )
+        handle, own, written = self.handle, self.own, self.written
+        flat_param = handle.flat_param
         try:
             if self.grads and self.is_src and not self.sharded:
                 # The gradient from before keeps its identity: it gets the copy's
@@ -292,11 +271,8 @@ class _Rank0State:
                 if own is not None or not written:
                     flat_param.grad = own
             elif self.grads and own is None and written:
-                setattr(
-                    flat_param,
-                    "_saved_grad_shard" if self.sharded else "grad",
-                    self.send,
-                )
+                attr = "_saved_grad_shard" if self.sharded else "grad"
+                setattr(flat_param, attr, self.send)
             if self.is_src:
                 # Even if allocated before (a forward), so no rank keeps a stale copy
                 _reshard(self.state, handle, self.sharded)
@@ -339,15 +315,14 @@ def _unshard_fsdp_state_params_from_rank0(
     call.groups, call.device = call.groups or groups, call.device or handle.device
     s, flat_param = _Rank0State(state, handle, groups), handle.flat_param
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-    error = None
-    try:
-        s.allocate(with_grads)
-    except Exception as e:
-        error, call.ok = e, False
-    try:  # if a rank failed, every rank raises, before any data moved
-        s.grads = call.agree(s.own, flat_param._local_shard.dtype)
-        if error is not None:
-            raise error
+    try:  # if a rank fails, every rank raises, before any data moved
+        try:
+            s.allocate(with_grads)
+        except Exception:
+            call.ok = False
+            raise
+        finally:
+            s.grads = call.agree(s.own, flat_param._local_shard.dtype)
     except BaseException:
         _reshard(state, handle, s.gather)
         handle._training_state = HandleTrainingState.IDLE
