@@ -27,6 +27,18 @@ from test_fsdp_unshard_rank0_writeback import (
 
 
 class _Rank0GatherTest(_Rank0WritebackTest):
+    points = {
+        **_Rank0WritebackTest.points,
+        # On entry, before the ranks agree: unsharding starts, rank 0 allocates
+        "pre_unshard": (FlatParamHandle, "pre_unshard", False, (0, 1)),
+        "alloc": (FlatParamHandle, "_alloc_padded_unsharded_flat_param", False, (0,)),
+        # Once they agreed to unshard, then upon exit once they agreed to write back
+        "gather": (dist, "gather", True, (0, 1)),
+        "scatter": (dist, "scatter", True, (0, 1)),
+        "free": (unshard_param_utils, "_reshard", True, (0,)),
+    }
+    after_agreement = ("scatter", "free")
+
     def _test_allocate_at_most_a_shard(self, with_grads: bool, **kwargs) -> None:
         """No allocation on the other ranks exceeds a shard; one unit dwarfs others."""
         torch.manual_seed(0)
@@ -146,15 +158,39 @@ class TestUnshardRank0Gather(_Rank0GatherTest):
         config = {"sharding_strategy": [FULL, GRAD_OP], "fail_at": [0, 1]}
         self.run_subtests(config, self._test_rank0_allocation_fails, with_grads=False)
 
+    def test_rank0_writeback_failure_in_collectives(self):
+        """
+        A rank fails around a collective (unsharding to rank 0, writing back, freeing):
+        no rank hangs, and all agree.
+        """
+        failures = self._failures("pre_unshard", "alloc", "gather", "scatter", "free")
+        config = {"failure": failures, "nested": BOTH}
+        self.run_subtests(config, self._test_failure_at, with_grads=False)
+
     def test_rank0_writeback_collectives(self):
         config = {"fail": [None, "scatter"]}
         self.run_subtests(config, self._test_collectives, with_grads=False)
 
 
 class TestUnshardRank0GatherHybrid(_Rank0GatherTest):
-    """Hybrid sharding on a 2 x 2 mesh: only rank 0's replica gathers, to rank 0."""
+    """
+    Hybrid sharding on a 2 x 2 mesh: only rank 0's replica gathers, to rank 0, and
+    every replica gets rank 0's edits.
+    """
 
     world_size = 4
+
+    def test_rank0_writeback_hybrid_shard(self):
+        mesh = init_device_mesh(self.device.type, (2, 2))
+        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
+        # Rank 2, rank 0 of the other replica, must not keep a full copy either
+        self.run_subtests(
+            config,
+            self._test_rank0_writeback,
+            device_mesh=mesh,
+            with_grads=False,
+            offload_to_cpu=True,
+        )
 
     def test_rank0_writeback_hybrid_shard_allocate_at_most_a_shard(self):
         mesh = init_device_mesh(self.device.type, (2, 2))

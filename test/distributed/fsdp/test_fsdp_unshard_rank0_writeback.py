@@ -7,7 +7,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp._common_utils import HandleTrainingState
 from torch.distributed.fsdp._flat_param import FlatParamHandle
@@ -47,39 +46,17 @@ class Injected(Exception):
     """A failure forced on one rank."""
 
 
-# Where a rank fails: (owner, attribute, raises after running). A collective raises
-# after running (one that a rank never runs cannot be matched by any other), and so
-# does a free (which leaves a parameter unsharded, until resharded, if it never runs).
-POINTS = {
-    # On entry, before the ranks agree (any rank; for "alloc", rank 0)
-    "pre_unshard": (FlatParamHandle, "pre_unshard", False),
-    "alloc": (FlatParamHandle, "_alloc_padded_unsharded_flat_param", False),
-    "gather": (dist, "gather", True),
-    # After the gather, before the body (any rank; for "to_cpu" and "unflatten",
-    # rank 0; for "early_free", the others, which free the full parameter)
-    "post_unshard": (FlatParamHandle, "post_unshard", False),
-    "to_cpu": (FlatParamHandle, "to_cpu", False),
-    "unflatten": (FlatParamHandle, "unflatten_as_params", False),
-    "grad_views": (FlatParamHandle, "_use_unsharded_grad_views", False),
-    "early_free": (unshard_param_utils, "_reshard", False),
-    "body": None,
-    # Upon exit, after the ranks agreed to write back: only that rank raises
-    "scatter": (dist, "scatter", True),
-    "free": (unshard_param_utils, "_reshard", True),
-    "grad_free": (unshard_param_utils, "_reshard_grads", True),
-}
-AFTER_AGREEMENT = ("scatter", "free", "grad_free")
-
-
-def _fail_once(point: str, fails: bool, fired: list):
-    """Patches ``point`` to raise ``Injected`` at its first call if ``fails``."""
-    if POINTS[point] is None:
-        return contextlib.nullcontext()
-    owner, name, after = POINTS[point]
+def _fail_once(point, owner, name: str, after: bool, fired: list):
+    """
+    Patches ``owner.name`` to raise ``Injected(point)`` at its first call, before it
+    runs, or ``after`` it ran: a collective (which a rank that never runs it leaves
+    the others waiting in) and a free (which, if it never ran, leaves a parameter
+    unsharded: FSDP would not gather it again) fail once they ran.
+    """
     original = getattr(owner, name)
 
     def failing(*args, **kwargs):
-        if not fails or fired:
+        if fired:
             return original(*args, **kwargs)
         fired.append(point)
         if not after:
@@ -98,6 +75,23 @@ def _fail_once(point: str, fails: bool, fired: list):
 
 
 class _Rank0WritebackTest(FSDPUnshardTest):
+    # Where a rank fails: (owner, attribute, fails after running, the ranks that
+    # reach it); after the parameter is gathered, before the body, or in the body
+    points = {
+        "post_unshard": (FlatParamHandle, "post_unshard", False, (0, 1)),
+        "to_cpu": (FlatParamHandle, "to_cpu", False, (0,)),
+        "unflatten": (FlatParamHandle, "unflatten_as_params", False, (0,)),
+        # The other ranks free the unsharded parameter before the body
+        "early_free": (unshard_param_utils, "_reshard", False, (1,)),
+        "body": (None, None, False, (0, 1)),
+    }
+    # The points after the ranks agreed to write back: only the failed rank raises
+    after_agreement: tuple[str, ...] = ()
+
+    def _failures(self, *points: str) -> list[tuple[str, int]]:
+        """Each point and each rank that reaches it."""
+        return [(p, rank) for p in points for rank in self.points[p][-1]]
+
     def _check_writeback(self, model, reference, with_grads: bool, **kwargs) -> None:
         """Rank 0's edits reach every rank bitwise; training goes on as reference's."""
         with _summon_rank0(model, with_grads=with_grads, **kwargs):
@@ -206,15 +200,22 @@ class _Rank0WritebackTest(FSDPUnshardTest):
             if with_grads:
                 for m, device in [(model, self.device), (reference, "cpu")]:
                     m(batch().to(device)).sum().backward()
-        fails, fired = self.rank == fail_rank, []
+        fails, fired, (owner, name, after, _) = (
+            self.rank == fail_rank,
+            [],
+            self.points[point],
+        )
         if fails:
             raises = self.assertRaisesRegex(Injected, point)
-        elif point in AFTER_AGREEMENT:
+        elif point in self.after_agreement:
             raises = contextlib.nullcontext()
         else:
             raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        failing = contextlib.nullcontext()
+        if fails and owner is not None:
+            failing = _fail_once(point, owner, name, after, fired)
         offload_to_cpu = point == "to_cpu"
-        with _fail_once(point, fails, fired), raises:
+        with failing, raises:
             with _summon_rank0(
                 model, with_grads=with_grads, offload_to_cpu=offload_to_cpu
             ):
@@ -224,13 +225,13 @@ class _Rank0WritebackTest(FSDPUnshardTest):
                     raise Injected(point)
         self.assertEqual(fired, [point] if fails and point != "body" else [])
         self._check_idle_and_resharded(model)
-        if point in AFTER_AGREEMENT:
+        if point in self.after_agreement:
             _edit(list(reference.parameters()), with_grads)
         self._check_full(model, reference, with_grads)
         self._check_writeback(model, reference, with_grads)
 
-    def _test_failure_at(self, point_and_rank, **kwargs):
-        self._test_failure(*point_and_rank, **kwargs, use_orig_params=False)
+    def _test_failure_at(self, failure, **kwargs):
+        self._test_failure(*failure, **kwargs, use_orig_params=False)
 
     def _test_padding_stays_zeros(self, with_grads, **kwargs):
         model, _ = self._models(backward=True, **kwargs)
@@ -291,21 +292,8 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         """
         A rank fails at any point of the writeback: no rank hangs, and all agree.
         """
-        self.run_subtests(
-            {
-                "point_and_rank": [
-                    (point, rank)
-                    for point in POINTS
-                    for rank in (0, 1)
-                    if not (point in ("alloc", "to_cpu", "unflatten", "free") and rank)
-                    and not (point == "early_free" and not rank)
-                    and "grad" not in point
-                ],
-                "nested": BOTH,
-            },
-            self._test_failure_at,
-            with_grads=False,
-        )
+        config = {"failure": self._failures(*self.points), "nested": BOTH}
+        self.run_subtests(config, self._test_failure_at, with_grads=False)
 
     def test_rank0_writeback_single_state(self):
         """``_unshard_fsdp_state_params()`` (state-dict paths) writes back one state."""
@@ -337,30 +325,14 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         with (
             mock.patch.multiple(handle, **fake_offload),
             mock.patch.multiple(dist, **no_collectives),
-            self.assertRaisesRegex(NotImplementedError, "NO_SHARD and CPUOffload"),
+            self.assertRaisesRegex(
+                NotImplementedError, r"CPUOffload\(offload_params=True\) on"
+            ),
             _summon_rank0(model),
         ):
             pass
         self.assertEqual(handle._training_state, HandleTrainingState.IDLE)
         self._check_writeback(model, reference, with_grads=False)
-
-
-class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
-    """Hybrid sharding on a 2 x 2 mesh: every replica gets rank 0's edits."""
-
-    world_size = 4
-
-    def test_rank0_writeback_hybrid_shard(self):
-        mesh = init_device_mesh(self.device.type, (2, 2))
-        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
-        # Rank 2, rank 0 of the other replica, must not keep a full copy either
-        self.run_subtests(
-            config,
-            self._test_rank0_writeback,
-            device_mesh=mesh,
-            with_grads=False,
-            offload_to_cpu=True,
-        )
 
 
 if __name__ == "__main__":

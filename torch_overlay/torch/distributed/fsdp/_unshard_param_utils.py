@@ -88,17 +88,13 @@ def _writeback_to_local_shard(
 #   and the source prepares the body (``offload_to_cpu``, unflattening,
 #   gradient views). The other ranks never allocate the unsharded ones.
 # - Exit, once all states exited (each, with ``offload_to_cpu`` on an
-#   accelerator: one unsharded state at a time): each rank allocates what it
-#   receives into, then the ranks agree. If none failed, the source zeros the
-#   padding and scatters each rank its shard of the parameter, then of the
-#   gradient (``NO_SHARD`` broadcasts; for hybrid sharding, its replica then
-#   broadcasts them on). Else only ``NO_SHARD``'s parameter moves: the source
-#   broadcasts its values from before. The scatters run concurrently; once all
-#   finished, each state frees its unsharded copies.
-
-
-# The state's process group, then for hybrid sharding its replicate group
-_Groups = tuple[dist.ProcessGroup, ...]
+#   accelerator): each rank allocates what it receives into, then the ranks
+#   agree. If none failed, the source zeros the padding and scatters each rank
+#   its shard of the parameter, then of the gradient (``NO_SHARD`` broadcasts;
+#   for hybrid sharding, its replica then broadcasts them on). Else only
+#   ``NO_SHARD``'s parameter moves: the source broadcasts its values from
+#   before. The scatters run concurrently; once all finished, each state frees
+#   its unsharded copies.
 
 
 def _run_all(fns) -> None:
@@ -117,8 +113,7 @@ class _Rank0Writeback:
     """What the FSDP states of one ``summon_full_params()`` call share."""
 
     def __init__(self) -> None:
-        self.groups: _Groups = ()  # of the agreements: the first state's
-        self.device: torch.device | None = None
+        self.groups, self.device = (), None  # of the agreements: the first state's
         self.ok, self.failed = True, False  # this rank so far; a rank, as agreed
         self.states: list[_Rank0State] = []  # exited, not yet written back
 
@@ -167,7 +162,7 @@ class _Rank0Writeback:
 class _Rank0State:
     """A state's part of a call: its unsharded copies on the source, its moves."""
 
-    def __init__(self, state: _FSDPState, handle: FlatParamHandle, groups: _Groups):
+    def __init__(self, state: _FSDPState, handle: FlatParamHandle, groups: tuple):
         self.state, self.handle, self.groups = state, handle, groups
         self.is_src, self.sharded = _is_rank0(groups), handle.uses_sharded_strategy
         self.gather, self.grads, self.written = handle.needs_unshard(), False, False
@@ -254,9 +249,13 @@ class _Rank0State:
                 buffer, chunks, group=groups[0], group_src=0, async_op=True
             )
         if len(groups) > 1:
-            if _is_rank0(groups, replica_only=True):
-                work.wait()  # the source's replica sends on what it received
-            work = dist.broadcast(buffer, group=groups[1], group_src=0, async_op=True)
+            try:
+                if _is_rank0(groups, replica_only=True):
+                    work.wait()  # the source's replica sends on what it received
+            finally:  # also if it failed, so that the ranks' collectives match
+                work = dist.broadcast(
+                    buffer, group=groups[1], group_src=0, async_op=True
+                )
         works.append(lambda: (work.wait(), buffer is not out and out.copy_(buffer)))
 
     def free(self) -> None:
@@ -282,12 +281,12 @@ class _Rank0State:
             handle._training_state = HandleTrainingState.IDLE
 
 
-def _is_rank0(groups: _Groups, replica_only=False) -> bool:
+def _is_rank0(groups: tuple, replica_only=False) -> bool:
     """Whether this rank is the source, or with ``replica_only`` in its replica."""
     return all(dist.get_rank(g) == 0 for g in groups[replica_only:])
 
 
-def _gather_to_rank0(groups: _Groups, shard: torch.Tensor, padded) -> None:
+def _gather_to_rank0(groups: tuple, shard: torch.Tensor, padded) -> None:
     """Gathers the shards into the source's ``padded`` (``None`` elsewhere)."""
     if _is_rank0(groups, replica_only=True):
         n = dist.get_world_size(groups[0])
@@ -309,7 +308,7 @@ def _unshard_fsdp_state_params_from_rank0(
     (see the NOTE). Without a ``call`` of other states, it writes back upon exit.
     """
     own_call, call = call is None, call or _Rank0Writeback()
-    groups = (state.process_group,)
+    groups = (state.process_group,)  # for hybrid sharding, then its replicate group
     if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
         groups += (state._inter_node_pg,)
     call.groups, call.device = call.groups or groups, call.device or handle.device

@@ -890,21 +890,22 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
         .. note:: This method works on modules which are not FSDP themselves but
             may contain multiple independent FSDP units. In that case, the given
             arguments will apply to all contained FSDP units.
-        .. note:: With ``writeback=True`` and ``rank0_only=True``, if any rank
-            fails before rank 0's changes are written back (in the context, or
-            while unsharding), no rank waits for it in a collective: nothing is
-            written back, and every rank raises, the failed one its error, the
-            others a ``RuntimeError``. Each rank then holds its parameters and
-            gradients from before, with what it changed in its own shard (with
-            ``NO_SHARD``, every rank gets rank 0's parameters from before). If a
-            collective fails while writing back, only the ranks where it fails
-            raise, once every FSDP unit is resharded.
 
         .. warning:: Note that ``offload_to_cpu`` and ``rank0_only=False`` will
             result in full parameters being redundantly copied to CPU memory for
             GPUs that reside on the same machine, which may incur the risk of
             CPU OOM. It is recommended to use ``offload_to_cpu`` with
             ``rank0_only=True``.
+        .. note:: With ``writeback=True`` and ``rank0_only=True``, if a rank
+            fails before rank 0's changes are written back (in the context, or
+            while preparing it), no rank waits for it in a collective: nothing
+            is written back, and every rank raises, the failed one its error,
+            the others a ``RuntimeError``. Each rank then holds its parameters
+            and gradients from before, with what it changed in its own shard
+            (with ``NO_SHARD``, every rank gets rank 0's parameters from
+            before). If a collective fails while writing back, only the ranks
+            where it fails raise, once every FSDP unit is resharded. Not
+            supported for ``NO_SHARD`` with ``CPUOffload`` on an accelerator.
 
         Args:
             recurse (bool, Optional): recursively summon all params for nested
@@ -916,9 +917,8 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 materialized on only global rank 0. This means that within the
                 context, only rank 0 will have full parameters and the other
                 ranks will have sharded parameters. With ``writeback=True``,
-                rank 0's changes are written back to every rank, over theirs
-                (see the note above if a rank fails). Not for ``NO_SHARD`` with
-                ``CPUOffload`` on an accelerator.
+                rank 0's changes are written back to every rank, over theirs;
+                if a rank fails first, none are, and every rank raises.
             offload_to_cpu (bool, Optional): If ``True``, full parameters are
                 offloaded to CPU. For ``world_size = 1`` or ``NO_SHARD``
                 config, this is a CPU copy whose changes are copied back upon
