@@ -99,8 +99,8 @@ class _Rank0GatherTest(_Rank0WritebackTest):
 
     def _test_collectives(self, fail, with_grads: bool) -> None:
         """
-        Every unit's scatter starts before any is waited for, and rank 0 frees once all
-        finished, also if one failed (it raises once every unit is idle again).
+        Every unit's scatter starts before any is waited for, and the units are freed
+        once all finished, also if one failed (it raises once every unit is idle again).
         """
         model, reference = self._models(backward=with_grads, use_orig_params=True)
         if self.rank != 0:
@@ -134,7 +134,7 @@ class _Rank0GatherTest(_Rank0WritebackTest):
                 events.clear()  # the other ranks reshard early, on entry
                 if self.rank == 0:
                     _edit(list(model.parameters()), with_grads)
-        n, frees = 2 + 2 * with_grads, 2 * (self.rank == 0)
+        n, frees = 2 + 2 * with_grads, 2
         self.assertEqual(events, ["scatter"] * n + ["wait"] * n + ["reshard"] * frees)
         self._check_idle_and_resharded(model)
         # What the (recorded) collectives delivered

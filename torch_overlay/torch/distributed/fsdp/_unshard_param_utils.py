@@ -272,9 +272,8 @@ class _Rank0State:
             elif self.grads and own is None and written:
                 attr = "_saved_grad_shard" if self.sharded else "grad"
                 setattr(flat_param, attr, self.send)
-            if self.is_src:
-                # Even if allocated before (a forward), so no rank keeps a stale copy
-                _reshard(self.state, handle, self.sharded)
+            # Even if allocated before (a forward), so no rank keeps a stale copy
+            _reshard(self.state, handle, self.sharded)
             if self.grads:
                 _reshard_grads(handle)
         finally:

@@ -224,11 +224,10 @@ class _Rank0State:
         works.append(lambda: (work.wait(), buffer is not out and out.copy_(buffer)))
 
     def free(self) -> None:
-        """Frees the source's unsharded copy."""
+        """Frees the unsharded copy, every rank's (an early free may have failed)."""
         try:
-            if self.is_src:
-                # Even if allocated before (a forward), so no rank keeps a stale copy
-                _reshard(self.state, self.handle, self.sharded)
+            # Even if allocated before (a forward), so no rank keeps a stale copy
+            _reshard(self.state, self.handle, self.sharded)
         finally:
             self.handle._training_state = HandleTrainingState.IDLE
 

@@ -125,9 +125,8 @@ class _Rank0State:
                     padded[flat_param._unpadded_unsharded_size.numel() :].zero_()
                     chunks = list(padded.chunk(handle.world_size))
                 dist.scatter(flat_param._local_shard, chunks, group=group, group_src=0)
-            if self.is_src:
-                # Even if allocated before (a forward), so no rank keeps a stale copy
-                _reshard(self.state, handle, self.sharded)
+            # Even if allocated before (a forward), so no rank keeps a stale copy
+            _reshard(self.state, handle, self.sharded)
         finally:
             handle._training_state = HandleTrainingState.IDLE
 
