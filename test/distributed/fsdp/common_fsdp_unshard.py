@@ -2,13 +2,15 @@
 
 import copy
 import unittest
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
-
-from common_fsdp_cpu import FSDPTestContinuousCPU
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_fsdp import FSDPTestMixin
 
 
 class BodyError(Exception):
@@ -26,12 +28,39 @@ def batch(seed: int = 1) -> torch.Tensor:
     return torch.randn(4, 5, generator=torch.Generator().manual_seed(seed))
 
 
-class FSDPUnshardTest(FSDPTestContinuousCPU):
+class FSDPUnshardTest(FSDPTestMixin, MultiProcContinuousTest):
     """
     ``summon_full_params()`` checked against an unwrapped reference model, bitwise.
     The process group is created once per class; each subtest wraps a fresh copy of
-    the (tiny) reference model, since the tests change the parameters.
+    the (tiny) reference model, since the tests change the parameters. The ranks use
+    one accelerator each if there are enough, else the CPU and gloo: these tests need
+    none (NCCL cannot put two ranks on one GPU, nor take CPU tensors).
     """
+
+    # A rank left waiting in a collective fails the test within this, not hangs it
+    timeout = timedelta(seconds=60)
+
+    @classmethod
+    def device_type(cls) -> str:
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator and torch.accelerator.device_count() >= cls.world_size:
+            return accelerator.type
+        return "cpu"
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return dist.get_default_backend_for_device(cls.device_type())
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type() == "cpu":
+            return torch.device("cpu")
+        torch.accelerator.set_device_index(self.rank)
+        return torch.device(self.device_type(), self.rank)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.pg
 
     def assertRaisesRegex(self, expected_exception, expected_regex, *args, **kwargs):
         # `TestCase.assertRaisesRegex()` matches no message when `device_type` is not

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
 
-from common_fsdp_cpu import FSDPTestContinuousCPU
+from common_fsdp_unshard import FSDPUnshardTest
 
 if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
@@ -23,7 +23,7 @@ if TEST_WITH_DEV_DBG_ASAN:
     sys.exit(0)
 
 
-class TestUnshardCPUOffload(FSDPTestContinuousCPU):
+class TestUnshardCPUOffload(FSDPUnshardTest):
     """``offload_to_cpu`` when the compute device is the CPU (gloo), on two ranks."""
 
     world_size = 2

@@ -9,7 +9,6 @@ import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp._common_utils import HandleTrainingState
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 from torch.profiler import profile, ProfilerActivity
 from torch.testing._internal.common_utils import run_tests
@@ -20,6 +19,7 @@ from test_fsdp_unshard_rank0_writeback import (
     _Rank0WritebackTest,
     _summon_rank0,
     BOTH,
+    FAILED_ELSEWHERE,
     FULL,
     GRAD_OP,
     HYBRID,
@@ -27,6 +27,18 @@ from test_fsdp_unshard_rank0_writeback import (
 
 
 class _Rank0GatherTest(_Rank0WritebackTest):
+    points = {
+        **_Rank0WritebackTest.points,
+        # On entry, before the ranks agree: unsharding starts, rank 0 allocates
+        "pre_unshard": (FlatParamHandle, "pre_unshard", False, (0, 1)),
+        "alloc": (FlatParamHandle, "_alloc_padded_unsharded_flat_param", False, (0,)),
+        # Once they agreed to unshard, then upon exit once they agreed to write back
+        "gather": (dist, "gather", True, (0, 1)),
+        "scatter": (dist, "scatter", True, (0, 1)),
+        "free": (unshard_param_utils, "_reshard", True, (0,)),
+    }
+    after_agreement = ("scatter", "free")
+
     def _test_allocate_at_most_a_shard(self, with_grads: bool, **kwargs) -> None:
         """No allocation on the other ranks exceeds a shard; one unit dwarfs others."""
         torch.manual_seed(0)
@@ -76,7 +88,7 @@ class _Rank0GatherTest(_Rank0WritebackTest):
         if self.rank == 0:
             raises = self.assertRaisesRegex(torch.OutOfMemoryError, "out of memory")
         else:
-            raises = self.assertRaisesRegex(RuntimeError, "failed on rank 0 .* moved")
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
         with fails if self.rank == 0 else contextlib.nullcontext(), raises:
             with _summon_rank0(model, with_grads=with_grads):
                 if self.rank == 0:
@@ -87,19 +99,13 @@ class _Rank0GatherTest(_Rank0WritebackTest):
 
     def _test_collectives(self, fail, with_grads: bool) -> None:
         """
-        Every unit's scatter starts before any is waited for; rank 0 frees once all
-        finished, nothing if one failed (NCCL may still read the buffer), and the other
-        units if freeing one fails; a rank without a gradient gets none on failure.
+        Every unit's scatter starts before any is waited for, and the units are freed
+        once all finished, also if one failed (it raises once every unit is idle again).
         """
         model, reference = self._models(backward=with_grads, use_orig_params=True)
         if self.rank != 0:
             model.zero_grad(set_to_none=True)
-        scatter, reshard, events, failed = (
-            dist.scatter,
-            unshard_param_utils._reshard,
-            [],
-            [],
-        )
+        scatter, reshard, events = dist.scatter, unshard_param_utils._reshard, []
 
         def recording_scatter(*args, **kwargs):
             n, work = events.count("scatter"), scatter(*args, **kwargs)
@@ -115,42 +121,25 @@ class _Rank0GatherTest(_Rank0WritebackTest):
 
             return mock.Mock(wait=wait)
 
-        def recording_reshard(state, *args):
+        def recording_reshard(*args):
             events.append("reshard")
-            if fail == "free" and "wait" in events and not failed:
-                failed.append(state)
-                raise BodyError("free failed")
-            return reshard(state, *args)
+            return reshard(*args)
 
-        raises = fail == "scatter" or (fail == "free" and self.rank == 0)
         with (
             mock.patch.object(dist, "scatter", recording_scatter),
             mock.patch.object(unshard_param_utils, "_reshard", recording_reshard),
-            self.assertRaises(BodyError) if raises else contextlib.nullcontext(),
+            self.assertRaises(BodyError) if fail else contextlib.nullcontext(),
         ):
             with _summon_rank0(model, with_grads=with_grads):
                 events.clear()  # the other ranks reshard early, on entry
                 if self.rank == 0:
                     _edit(list(model.parameters()), with_grads)
-        n, frees = 2 + 2 * with_grads, 2 * (self.rank == 0 and fail != "scatter")
+        n, frees = 2 + 2 * with_grads, 2
         self.assertEqual(events, ["scatter"] * n + ["wait"] * n + ["reshard"] * frees)
-        if fail == "scatter":
-            failed = FSDP.fsdp_modules(model)
-        for state in failed:  # left as the failure left it
-            handle = state._handle
-            self.assertEqual(
-                handle._training_state, HandleTrainingState.SUMMON_FULL_PARAMS
-            )
-            allocated = handle.flat_param._full_param_padded.untyped_storage()
-            self.assertEqual(allocated.size() > 0, self.rank == 0)
-            if with_grads and self.rank != 0:
-                self.assertIsNone(handle.flat_param.grad)
-            unshard_param_utils._reshard(state, handle, True)
-            handle._training_state = HandleTrainingState.IDLE
         self._check_idle_and_resharded(model)
-        if fail != "scatter":
-            _edit(list(reference.parameters()), with_grads)
-            self._check_full(model, reference, with_grads)
+        # What the (recorded) collectives delivered
+        _edit(list(reference.parameters()), with_grads)
+        self._check_full(model, reference, with_grads)
 
 
 class TestUnshardRank0Gather(_Rank0GatherTest):
@@ -169,15 +158,39 @@ class TestUnshardRank0Gather(_Rank0GatherTest):
         config = {"sharding_strategy": [FULL, GRAD_OP], "fail_at": [0, 1]}
         self.run_subtests(config, self._test_rank0_allocation_fails, with_grads=False)
 
+    def test_rank0_writeback_failure_in_collectives(self):
+        """
+        A rank fails around a collective (unsharding to rank 0, writing back, freeing):
+        no rank hangs, and all agree.
+        """
+        failures = self._failures("pre_unshard", "alloc", "gather", "scatter", "free")
+        config = {"failure": failures, "nested": BOTH}
+        self.run_subtests(config, self._test_failure_at, with_grads=False)
+
     def test_rank0_writeback_collectives(self):
-        config = {"fail": [None, "scatter", "free"]}
+        config = {"fail": [None, "scatter"]}
         self.run_subtests(config, self._test_collectives, with_grads=False)
 
 
 class TestUnshardRank0GatherHybrid(_Rank0GatherTest):
-    """Hybrid sharding on a 2 x 2 mesh: only rank 0's replica gathers, to rank 0."""
+    """
+    Hybrid sharding on a 2 x 2 mesh: only rank 0's replica gathers, to rank 0, and
+    every replica gets rank 0's edits.
+    """
 
     world_size = 4
+
+    def test_rank0_writeback_hybrid_shard(self):
+        mesh = init_device_mesh(self.device.type, (2, 2))
+        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
+        # Rank 2, rank 0 of the other replica, must not keep a full copy either
+        self.run_subtests(
+            config,
+            self._test_rank0_writeback,
+            device_mesh=mesh,
+            with_grads=False,
+            offload_to_cpu=True,
+        )
 
     def test_rank0_writeback_hybrid_shard_allocate_at_most_a_shard(self):
         mesh = init_device_mesh(self.device.type, (2, 2))

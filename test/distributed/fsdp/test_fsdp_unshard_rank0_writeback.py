@@ -7,9 +7,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp._common_utils import HandleTrainingState
+from torch.distributed.fsdp._flat_param import FlatParamHandle
 from torch.testing._internal.common_utils import run_tests
 
 from common_fsdp_unshard import batch, BodyError, FSDPUnshardTest, reference_model
@@ -38,7 +38,60 @@ def _summon_rank0(model: FSDP, **kwargs):
     return FSDP.summon_full_params(model, writeback=True, rank0_only=True, **kwargs)
 
 
+# What the other ranks raise when the writeback failed on one rank
+FAILED_ELSEWHERE = "failed on another rank .*: nothing was written back"
+
+
+class Injected(Exception):
+    """A failure forced on one rank."""
+
+
+def _fail_once(point, owner, name: str, after: bool, fired: list):
+    """
+    Patches ``owner.name`` to raise ``Injected(point)`` at its first call, before it
+    runs, or ``after`` it ran: a collective (which a rank that never runs it leaves
+    the others waiting in) and a free (which, if it never ran, leaves a parameter
+    unsharded: FSDP would not gather it again) fail once they ran.
+    """
+    original = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        if fired:
+            return original(*args, **kwargs)
+        fired.append(point)
+        if not after:
+            raise Injected(point)
+        result = original(*args, **kwargs)
+        if result is None:
+            raise Injected(point)
+
+        def wait():  # an asynchronous collective: it raises once finished
+            result.wait()
+            raise Injected(point)
+
+        return mock.Mock(wait=wait)
+
+    return mock.patch.object(owner, name, failing)
+
+
 class _Rank0WritebackTest(FSDPUnshardTest):
+    # Where a rank fails: (owner, attribute, fails after running, the ranks that
+    # reach it); after the parameter is gathered, before the body, or in the body
+    points = {
+        "post_unshard": (FlatParamHandle, "post_unshard", False, (0, 1)),
+        "to_cpu": (FlatParamHandle, "to_cpu", False, (0,)),
+        "unflatten": (FlatParamHandle, "unflatten_as_params", False, (0,)),
+        # The other ranks free the unsharded parameter before the body
+        "early_free": (unshard_param_utils, "_reshard", False, (1,)),
+        "body": (None, None, False, (0, 1)),
+    }
+    # The points after the ranks agreed to write back: only the failed rank raises
+    after_agreement: tuple[str, ...] = ()
+
+    def _failures(self, *points: str) -> list[tuple[str, int]]:
+        """Each point and each rank that reaches it."""
+        return [(p, rank) for p in points for rank in self.points[p][-1]]
+
     def _check_writeback(self, model, reference, with_grads: bool, **kwargs) -> None:
         """Rank 0's edits reach every rank bitwise; training goes on as reference's."""
         with _summon_rank0(model, with_grads=with_grads, **kwargs):
@@ -88,7 +141,9 @@ class _Rank0WritebackTest(FSDPUnshardTest):
     def _test_body_raises(self, with_grads, **kwargs):
         model, reference = self._models(with_grads, **kwargs)
         raises = self.assertRaisesRegex(BodyError, "after the edit")
-        with raises if self.rank == 0 else contextlib.nullcontext():
+        if self.rank != 0:
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        with raises:
             with _summon_rank0(model, with_grads=with_grads):
                 if self.rank == 0:
                     _edit(list(model.parameters()), with_grads)
@@ -107,7 +162,9 @@ class _Rank0WritebackTest(FSDPUnshardTest):
         model, reference = self._models(with_grads, **kwargs)
         before = [p.detach().clone() for p in model.parameters()]
         raises = self.assertRaisesRegex(BodyError, "after the edit")
-        with raises if self.rank == 0 else contextlib.nullcontext():
+        if self.rank != 0:
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        with raises:
             with _summon_rank0(model, with_grads=with_grads), torch.no_grad():
                 params = list(model.parameters())
                 if self.rank == 0:
@@ -123,6 +180,58 @@ class _Rank0WritebackTest(FSDPUnshardTest):
             before = [torch.full_like(p, 123.0) for p in before]
         for p, expected in zip(model.parameters(), before, strict=True):
             self.assertEqual(p, expected, atol=0, rtol=0)
+
+    def _test_failure(self, point, fail_rank, nested, with_grads, **kwargs):
+        """
+        ``point`` fails on ``fail_rank``, in the first unit it reaches (of two if
+        ``nested``). Before the ranks agree to write back, every rank raises and
+        each keeps its parameters and gradients (hangs fail within the process
+        group's timeout); after, only that rank raises, and each has rank 0's edits.
+        Either way FSDP is idle and trains on.
+        """
+        if point == "to_cpu" and self.device.type == "cpu":
+            return  # ``offload_to_cpu`` copies nothing on a CPU compute device
+        if nested:
+            model, reference = self._models(with_grads, **kwargs)
+        else:
+            reference = reference_model()
+            kwargs["device_id"] = self.device
+            model = FSDP(copy.deepcopy(reference), self.process_group, **kwargs)
+            if with_grads:
+                for m, device in [(model, self.device), (reference, "cpu")]:
+                    m(batch().to(device)).sum().backward()
+        fails, fired, (owner, name, after, _) = (
+            self.rank == fail_rank,
+            [],
+            self.points[point],
+        )
+        if fails:
+            raises = self.assertRaisesRegex(Injected, point)
+        elif point in self.after_agreement:
+            raises = contextlib.nullcontext()
+        else:
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        failing = contextlib.nullcontext()
+        if fails and owner is not None:
+            failing = _fail_once(point, owner, name, after, fired)
+        offload_to_cpu = point == "to_cpu"
+        with failing, raises:
+            with _summon_rank0(
+                model, with_grads=with_grads, offload_to_cpu=offload_to_cpu
+            ):
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+                if fails and point == "body":
+                    raise Injected(point)
+        self.assertEqual(fired, [point] if fails and point != "body" else [])
+        self._check_idle_and_resharded(model)
+        if point in self.after_agreement:
+            _edit(list(reference.parameters()), with_grads)
+        self._check_full(model, reference, with_grads)
+        self._check_writeback(model, reference, with_grads)
+
+    def _test_failure_at(self, failure, **kwargs):
+        self._test_failure(*failure, **kwargs, use_orig_params=False)
 
     def _test_padding_stays_zeros(self, with_grads, **kwargs):
         model, _ = self._models(backward=True, **kwargs)
@@ -179,6 +288,13 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         config = {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH}
         self.run_subtests(config, self._test_padding_stays_zeros, with_grads=False)
 
+    def test_rank0_writeback_failure(self):
+        """
+        A rank fails at any point of the writeback: no rank hangs, and all agree.
+        """
+        config = {"failure": self._failures(*self.points), "nested": BOTH}
+        self.run_subtests(config, self._test_failure_at, with_grads=False)
+
     def test_rank0_writeback_single_state(self):
         """``_unshard_fsdp_state_params()`` (state-dict paths) writes back one state."""
         for sharding_strategy in [FULL, NO_SHARD]:
@@ -209,30 +325,14 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         with (
             mock.patch.multiple(handle, **fake_offload),
             mock.patch.multiple(dist, **no_collectives),
-            self.assertRaisesRegex(NotImplementedError, "NO_SHARD and CPUOffload"),
+            self.assertRaisesRegex(
+                NotImplementedError, r"CPUOffload\(offload_params=True\) on"
+            ),
             _summon_rank0(model),
         ):
             pass
         self.assertEqual(handle._training_state, HandleTrainingState.IDLE)
         self._check_writeback(model, reference, with_grads=False)
-
-
-class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
-    """Hybrid sharding on a 2 x 2 mesh: every replica gets rank 0's edits."""
-
-    world_size = 4
-
-    def test_rank0_writeback_hybrid_shard(self):
-        mesh = init_device_mesh(self.device.type, (2, 2))
-        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
-        # Rank 2, rank 0 of the other replica, must not keep a full copy either
-        self.run_subtests(
-            config,
-            self._test_rank0_writeback,
-            device_mesh=mesh,
-            with_grads=False,
-            offload_to_cpu=True,
-        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 # Owner(s): ["oncall: distributed"]
 
 import torch
+import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp._flat_param import FlatParamHandle
 from torch.testing._internal.common_utils import run_tests
 
 from common_fsdp_unshard import batch
@@ -26,6 +28,12 @@ class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
     """
 
     world_size = 2
+    points = {
+        **_Rank0GatherTest.points,
+        "grad_views": (FlatParamHandle, "_use_unsharded_grad_views", False, (0,)),
+        "grad_free": (unshard_param_utils, "_reshard_grads", True, (0, 1)),
+    }
+    after_agreement = (*_Rank0GatherTest.after_agreement, "grad_free")
 
     def test_rank0_writeback_grads(self):
         """Rank 0's edits reach every rank, and training goes on from there."""
@@ -137,6 +145,17 @@ class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
             self._test_padding_stays_zeros,
             with_grads=True,
         )
+
+    def test_rank0_writeback_grads_failure(self):
+        """
+        A rank fails where gradients add a step: no rank hangs, and all agree on the
+        gradients too.
+        """
+        failures = [("gather", 1), ("post_unshard", 0), ("early_free", 1)]
+        failures += [("body", 1), ("scatter", 0)]
+        failures += self._failures("grad_views", "grad_free")
+        config = {"failure": failures, "nested": BOTH}
+        self.run_subtests(config, self._test_failure_at, with_grads=True)
 
     def test_rank0_writeback_grads_collectives(self):
         config = {"fail": [None, "scatter"]}

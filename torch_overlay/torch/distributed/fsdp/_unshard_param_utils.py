@@ -2,7 +2,7 @@
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import cast
 
 import torch
@@ -76,192 +76,221 @@ def _writeback_to_local_shard(
 
 # NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
 # source is global rank 0: rank 0 of the state's process group and, for hybrid
-# sharding, of its replicate group. Every rank runs the same collectives for
-# each handle in the same order:
-# - Entry: with ``with_grads=True``, the ranks agree whether any has a
-#   gradient (see ``_agree_on_grads()``). The source allocates the unsharded
-#   parameter and gradient (``NO_SHARD``: copies of its parameter, to restore
-#   on failure, and of its gradient, to edit), then the ranks agree whether it
-#   succeeded: if not, every rank raises, with nothing changed. Then sharded
-#   strategies gather the shards to the source, within its replica (zeros from
-#   a rank without a gradient); no other rank allocates the unsharded ones.
-# - Exit: the ranks agree whether the body, and the source's entry after the
-#   gather (e.g. ``offload_to_cpu``), succeeded everywhere, once per call and
-#   groups (a rank whose body raised gets here too, so none blocks). If so,
-#   the source zeros the padding and scatters each rank its shard of the
-#   parameter, then of the gradient (``NO_SHARD`` broadcasts); for hybrid
-#   sharding, its replica then broadcasts each shard to the others. If not,
-#   the source's changes are discarded and nothing moves, but ``NO_SHARD``'s
-#   parameter: the source broadcasts its values from before, so that no rank
-#   keeps its own changes to a replica. A rank keeps its own changes to its
-#   shards and its gradient, as with ``writeback=False``.
-# - Frees: all handles' collectives run concurrently; once all finished, the
-#   source frees its unsharded parameters and gradients, and a rank without a
-#   gradient takes the one it received. If one failed, nothing is freed (it may
-#   still read its buffers). With ``offload_to_cpu=True`` on an accelerator,
-#   each handle finishes before the next exits: one unsharded handle at a time.
+# sharding, of its replicate group. The ranks run the same collectives in the
+# same order, even when one fails. Each agreement is one all-reduce of the same
+# flags (a rank failed, has a gradient, has one in another dtype), so that a
+# rank that fails after one, and agrees upon exit, meets the others' next one,
+# whichever it is; once one says a rank failed, no rank agrees again.
+# - Entry, per state: each rank does what may fail (the source allocates the
+#   unsharded parameter and gradient; ``NO_SHARD``: copies them, to restore or
+#   to edit), then the ranks agree. Then sharded strategies gather the shards
+#   to the source, within its replica (zeros from a rank without a gradient),
+#   and the source prepares the body (``offload_to_cpu``, unflattening,
+#   gradient views). The other ranks never allocate the unsharded ones.
+# - Exit, once all states exited (each, with ``offload_to_cpu`` on an
+#   accelerator): each rank allocates what it receives into, then the ranks
+#   agree. If none failed, the source zeros the padding and scatters each rank
+#   its shard of the parameter, then of the gradient (``NO_SHARD`` broadcasts;
+#   for hybrid sharding, its replica then broadcasts them on). Else only
+#   ``NO_SHARD``'s parameter moves: the source broadcasts its values from
+#   before. The scatters run concurrently; once all finished, each state frees
+#   its unsharded copies.
 
 
-# The state's process group, then for hybrid sharding its replicate group
-_Groups = tuple[dist.ProcessGroup, ...]
+def _run_all(fns) -> None:
+    """Runs each of ``fns``, also after one raised; then raises the first error."""
+    error: Exception | None = None
+    for fn in fns:
+        try:
+            fn()
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 class _Rank0Writeback:
     """What the FSDP states of one ``summon_full_params()`` call share."""
 
     def __init__(self) -> None:
-        self.succeeded: dict[_Groups, bool] = {}
-        self.works: list[tuple[dist.Work, list[Callable[[], object]]]] = []
-        self.frees: list[Callable[[], None]] = []
+        self.groups, self.device = (), None  # of the agreements: the first state's
+        self.ok, self.failed = True, False  # this rank so far; a rank, as agreed
+        self.states: list[_Rank0State] = []  # exited, not yet written back
 
-    def agree(self, groups: _Groups, ok: bool, device) -> bool:
-        # Once per groups: the states exit in the same order on every rank
-        if groups not in self.succeeded:
-            self.succeeded[groups] = _all_agree(groups, ok, device)
-        return self.succeeded[groups]
+    def agree(self, grad=None, dtype=None) -> bool:
+        """Returns whether any rank has a gradient (see the NOTE)."""
+        has = grad is not None
+        flags = [not self.ok, has, has and grad.dtype != dtype]
+        result = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        for group in self.groups:  # for hybrid sharding, in the replica, then across
+            dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+        failed, any_grad, other_dtype = result.tolist()
+        self.failed = bool(failed or other_dtype)
+        if other_dtype and not failed:
+            raise NotImplementedError(
+                f"with_grads=True needs every rank's gradient in {dtype}: use "
+                "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
+            )
+        if self.failed and self.ok:
+            raise RuntimeError(
+                "summon_full_params(writeback=True, rank0_only=True) failed on "
+                "another rank (see its error): nothing was written back"
+            )
+        return bool(any_grad)
 
-    def wait(self) -> None:
-        """If a collective failed, raises once all finished and frees nothing."""
-        works, self.works, frees, self.frees = self.works, [], self.frees, []
-        error: Exception | None = None
-        for work, on_done in works:
+    def finish(self) -> None:
+        """Writes back (if every rank agrees) and frees the states that exited."""
+        states, self.states, works = self.states, [], []
+        if not states:
+            return
+        try:
+            for s in states:
+                s.prepare_exit()
+        except Exception:
+            self.ok = False
+            raise
+        finally:
             try:
-                work.wait()
-                for fn in on_done:
-                    fn()
-            except Exception as e:
-                error = error or e
-        for free in frees if error is None else []:
+                if not self.failed:
+                    self.agree()
+            finally:
+                write = not self.failed
+                _run_all(functools.partial(s.write_back, works, write) for s in states)
+                _run_all([*works, *(s.free for s in states)])
+
+
+class _Rank0State:
+    """A state's part of a call: its unsharded copies on the source, its moves."""
+
+    def __init__(self, state: _FSDPState, handle: FlatParamHandle, groups: tuple):
+        self.state, self.handle, self.groups = state, handle, groups
+        self.is_src, self.sharded = _is_rank0(groups), handle.uses_sharded_strategy
+        self.gather, self.grads, self.written = handle.needs_unshard(), False, False
+        self.padded = self.before = self.own = self.send = self.grad = None
+        self.send_buffer = self.buffer = None  # on the device, for CPUOffload
+
+    @torch.no_grad()
+    def allocate(self, with_grads: bool) -> None:
+        """What may fail before the entry agreement (see the NOTE)."""
+        handle, flat_param = self.handle, self.handle.flat_param
+        _reset_flat_param_grad_info_if_needed(handle)
+        handle.pre_unshard()
+        # As `_unshard()`, to consume the events that `_reshard()` records
+        event = self.state._free_event_queue.dequeue_if_needed()
+        if self.state.limit_all_gathers and event:
+            event.synchronize()
+        if self.is_src and self.gather:
+            self.padded = handle._alloc_padded_unsharded_flat_param()
+        if self.is_src and not self.sharded:
+            self.before = flat_param.detach().clone()
+        if with_grads:  # zeros from a rank without one, also to receive into
+            own = self.own = flat_param.grad
+            self.send = (
+                torch.zeros_like(flat_param._local_shard) if own is None else own
+            )
+            self.send_buffer = buffer = self.send.to(handle.device)  # CPUOffload
+            if self.is_src:  # sharded: gathered into; `NO_SHARD`: a copy to edit
+                size = flat_param._padded_unsharded_size if self.sharded else None
+                self.grad = buffer.new_empty(size) if size else buffer.clone()
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        handle, flat_param = self.handle, self.handle.flat_param
+        moves = [(flat_param.data, self.padded)] * self.gather
+        if self.grads and self.sharded:
+            flat_param._saved_grad_shard = self.own
+            moves.append((self.send_buffer, self.grad))
+        # Every move, even after one failed, so that the ranks' collectives match
+        _run_all(functools.partial(_gather_to_rank0, self.groups, *m) for m in moves)
+        if self.is_src or not self.sharded:
+            handle.unshard()  # only switches to the gathered parameter
+        handle.post_unshard()
+        if self.grads and self.is_src:
+            size = flat_param._unpadded_unsharded_size
+            flat_param.grad = self.grad[: size.numel()].view(size)
+            if handle._use_orig_params:
+                handle._use_unsharded_grad_views()
+
+    def prepare_exit(self) -> None:
+        """Allocates what this rank receives into, before the exit agreement."""
+        local_shard, device = self.handle.flat_param._local_shard, self.handle.device
+        if self.sharded and local_shard.device != device:  # CPUOffload
+            self.buffer = torch.empty_like(local_shard, device=device)
+
+    @torch.no_grad()
+    def write_back(self, works: list, write: bool) -> None:
+        """Starts the source's writeback; without ``write``, ``NO_SHARD``'s restore."""
+        handle, flat_param, self.written = self.handle, self.handle.flat_param, write
+        if not self.sharded:
+            if not write and self.before is not None:
+                flat_param.copy_(self.before)  # the source's values from before
+            self._scatter(works, None, flat_param.data)
+        elif write:
+            padded = handle._get_padded_unsharded_flat_param() if self.is_src else None
+            self._scatter(works, padded, flat_param._local_shard, self.buffer)
+        if write and self.grads and self.sharded:
+            self._scatter(works, self.grad, self.send, self.send_buffer)
+        elif write and self.grads:  # the source's copy, to the others' gradients
+            out = (self.grad,) if self.is_src else (self.send, self.send_buffer)
+            self._scatter(works, None, *out)
+
+    def _scatter(self, works: list, padded, out: torch.Tensor, buffer=None) -> None:
+        """Starts writing the source's ``padded`` to each rank's shard ``out``."""
+        groups, handle = self.groups, self.handle
+        buffer = out if buffer is None else buffer
+        if not self.sharded:
+            work = dist.broadcast(buffer, group=groups[0], group_src=0, async_op=True)
+        elif _is_rank0(groups, replica_only=True):
+            chunks = None
+            if padded is not None:
+                padded[handle.flat_param._unpadded_unsharded_size.numel() :].zero_()
+                chunks = list(padded.chunk(handle.world_size))
+            work = dist.scatter(
+                buffer, chunks, group=groups[0], group_src=0, async_op=True
+            )
+        if len(groups) > 1:
             try:
-                free()
-            except Exception as e:
-                error = error or e
-        if error is not None:
-            raise error
+                if _is_rank0(groups, replica_only=True):
+                    work.wait()  # the source's replica sends on what it received
+            finally:  # also if it failed, so that the ranks' collectives match
+                work = dist.broadcast(
+                    buffer, group=groups[1], group_src=0, async_op=True
+                )
+        works.append(lambda: (work.wait(), buffer is not out and out.copy_(buffer)))
+
+    def free(self) -> None:
+        """Frees the copies; a rank without a gradient takes the one it received."""
+        handle, own, written = self.handle, self.own, self.written
+        flat_param = handle.flat_param
+        try:
+            if self.grads and self.is_src and not self.sharded:
+                # The gradient from before keeps its identity: it gets the copy's
+                if written and own is not None:
+                    own.copy_(flat_param.grad)
+                if own is not None or not written:
+                    flat_param.grad = own
+            elif self.grads and own is None and written:
+                attr = "_saved_grad_shard" if self.sharded else "grad"
+                setattr(flat_param, attr, self.send)
+            # Even if allocated before (a forward), so no rank keeps a stale copy
+            _reshard(self.state, handle, self.sharded)
+            if self.grads:
+                _reshard_grads(handle)
+        finally:
+            handle._training_state = HandleTrainingState.IDLE
 
 
-def _is_rank0(groups: _Groups, replica_only=False) -> bool:
+def _is_rank0(groups: tuple, replica_only=False) -> bool:
     """Whether this rank is the source, or with ``replica_only`` in its replica."""
     return all(dist.get_rank(g) == 0 for g in groups[replica_only:])
 
 
-def _all_agree(groups: _Groups, value: bool, device) -> bool:
-    result = torch.tensor([int(value)], dtype=torch.int32, device=device)
-    # For hybrid sharding, the minimum within each replica, then across them
-    for group in groups:
-        dist.all_reduce(result, op=dist.ReduceOp.MIN, group=group)
-    return bool(result.item())
-
-
-def _gather_to_rank0(groups: _Groups, shard: torch.Tensor, padded) -> None:
+def _gather_to_rank0(groups: tuple, shard: torch.Tensor, padded) -> None:
     """Gathers the shards into the source's ``padded`` (``None`` elsewhere)."""
     if _is_rank0(groups, replica_only=True):
         n = dist.get_world_size(groups[0])
         chunks = None if padded is None else list(padded.chunk(n))
         dist.gather(shard, chunks, group=groups[0], group_dst=0)
-
-
-def _scatter_from_rank0(
-    call: _Rank0Writeback,
-    groups: _Groups,
-    handle: FlatParamHandle,
-    padded: torch.Tensor | None,
-    out: torch.Tensor,
-    on_done: Callable[[], object] | None = None,
-) -> None:
-    """
-    Starts writing the source's ``padded`` unsharded tensor to each rank's
-    shard ``out``; ``NO_SHARD`` broadcasts the source's ``out``.
-    """
-    buffer = out
-    on_done_list = [] if on_done is None else [on_done]
-    if out.device != handle.device:  # CPUOffload: collectives on the device
-        buffer = torch.empty_like(out, device=handle.device)
-        on_done_list.insert(0, functools.partial(out.copy_, buffer))
-    if not handle.uses_sharded_strategy:
-        work = dist.broadcast(buffer, group=groups[0], group_src=0, async_op=True)
-    elif _is_rank0(groups, replica_only=True):
-        chunks = None
-        if padded is not None:
-            padded[handle.flat_param._unpadded_unsharded_size.numel() :].zero_()
-            chunks = list(padded.chunk(handle.world_size))
-        work = dist.scatter(buffer, chunks, group=groups[0], group_src=0, async_op=True)
-    if len(groups) > 1:
-        if _is_rank0(groups, replica_only=True):
-            work.wait()  # the source's replica sends on what it received
-        work = dist.broadcast(buffer, group=groups[1], group_src=0, async_op=True)
-    call.works.append((work, on_done_list))
-
-
-@torch.no_grad()
-def _unshard_to_rank0(
-    state: _FSDPState,
-    groups: _Groups,
-    handle: FlatParamHandle,
-    grads: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """
-    ``_unshard()``, and with ``grads`` ``unshard_grad()``, to the source only.
-    Returns the source's copy of its ``NO_SHARD`` parameter, and its padded
-    unsharded gradient (``NO_SHARD``: its own).
-    """
-    flat_param, stream = handle.flat_param, state._device_handle.current_stream()
-    is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
-    with state._device_handle.stream(stream):
-        handle.pre_unshard()
-    # As `_unshard()`, to consume the events that `_reshard()` records
-    event = state._free_event_queue.dequeue_if_needed()
-    if state.limit_all_gathers and event:
-        event.synchronize()
-    gather, padded, before, grad = handle.needs_unshard(), None, None, None
-    error: Exception | None = None
-    if is_src:
-        try:
-            if gather:
-                padded = handle._alloc_padded_unsharded_flat_param()
-            if not sharded:
-                before = flat_param.detach().clone()
-            if grads:  # sharded: the gathered gradient; `NO_SHARD`: a copy to edit
-                local_shard = flat_param._local_shard
-                size = flat_param._padded_unsharded_size if sharded else None
-                size = size or local_shard.size()
-                grad = local_shard.new_empty(size, device=handle.device)
-        except Exception as e:
-            error = e
-    # The source allocated first: if it failed, every rank raises before the
-    # gather, so that none waits for it (and FSDP is idle again)
-    if not _all_agree(groups, error is None, handle.device):
-        _reshard(state, handle, gather)
-        handle._training_state = HandleTrainingState.IDLE
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            "summon_full_params(writeback=True, rank0_only=True) failed on rank "
-            "0 (see its error) before any data moved: nothing changed"
-        )
-    with state._device_handle.stream(stream):
-        if gather:
-            _gather_to_rank0(groups, flat_param.data, padded)
-        if is_src or not sharded:
-            handle.unshard()  # only switches to the gathered parameter
-        handle.post_unshard()
-    if not grads:
-        return before, None
-    own = flat_param.grad
-    send = torch.zeros_like(flat_param._local_shard) if own is None else own
-    send = send.to(handle.device)
-    if sharded:
-        flat_param._saved_grad_shard = own
-        _gather_to_rank0(groups, send, grad)
-    if is_src:
-        size = flat_param._unpadded_unsharded_size
-        flat_param.grad = grad[: size.numel()].view(size) if sharded else grad
-        if not sharded:
-            grad.copy_(send)
-            grad = own
-        if handle._use_orig_params:
-            handle._use_unsharded_grad_views()
-    return before, grad
 
 
 @contextlib.contextmanager
@@ -275,73 +304,52 @@ def _unshard_fsdp_state_params_from_rank0(
 ) -> Generator:
     """
     ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``
-    (see the NOTE). Without a ``call`` of other states, it waits upon exit.
+    (see the NOTE). Without a ``call`` of other states, it writes back upon exit.
     """
     own_call, call = call is None, call or _Rank0Writeback()
-    groups, flat_param = (state.process_group,), handle.flat_param
+    groups = (state.process_group,)  # for hybrid sharding, then its replicate group
     if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
         groups += (state._inter_node_pg,)
-    is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
-    _reset_flat_param_grad_info_if_needed(handle)
-    grads = with_grads and _agree_on_grads(handle, groups)
+    call.groups, call.device = call.groups or groups, call.device or handle.device
+    s, flat_param = _Rank0State(state, handle, groups), handle.flat_param
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-    before, grad = _unshard_to_rank0(state, groups, handle, grads)
+    try:  # if a rank fails, every rank raises, before any data moved
+        try:
+            s.allocate(with_grads)
+        except Exception:
+            call.ok = False
+            raise
+        finally:
+            s.grads = call.agree(s.own, flat_param._local_shard.dtype)
+    except BaseException:
+        _reshard(state, handle, s.gather)
+        handle._training_state = HandleTrainingState.IDLE
+        raise
     body_succeeded = False
     try:
-        if not is_src:
+        s.unshard()
+        if not s.is_src:
             # Free early, even if allocated before (a forward): it would go stale
-            _reshard(state, handle, sharded)
+            _reshard(state, handle, s.sharded)
             yield
         else:
             with contextlib.ExitStack() as stack:
-                if grads:  # set back once the parameter is back on its device
+                if s.grads:  # set back once the parameter is back on its device
                     stack.callback(setattr, flat_param, "grad", flat_param.grad)
                 if offload_to_cpu and not flat_param.is_cpu:
-                    cpu = handle.to_cpu() if sharded else _no_shard_to_cpu(handle)
+                    cpu = handle.to_cpu() if s.sharded else _no_shard_to_cpu(handle)
                     stack.enter_context(cpu)
                 if not state._use_orig_params:
                     stack.enter_context(_unflatten_as_params(state, module))
-                if grads:
+                if s.grads:
                     stack.enter_context(_unsharded_grad_views(handle, writeback=True))
                 yield
         body_succeeded = True
     finally:
-        succeeded = call.agree(groups, body_succeeded, handle.device)
-        if not sharded:
-            if not succeeded and before is not None:
-                with torch.no_grad():
-                    flat_param.copy_(before)  # the source's values from before
-            _scatter_from_rank0(call, groups, handle, None, flat_param.data)
-        elif succeeded:
-            padded = handle._get_padded_unsharded_flat_param() if is_src else None
-            _scatter_from_rank0(call, groups, handle, padded, flat_param._local_shard)
-        if grads and succeeded:
-            received = flat_param._saved_grad_shard if sharded else flat_param.grad
-            set_received = None
-            if received is None:  # on the sharded parameter's device (CPUOffload)
-                received = torch.zeros_like(flat_param._local_shard)
-                attr = "_saved_grad_shard" if sharded else "grad"
-                set_received = functools.partial(setattr, flat_param, attr, received)
-            padded = grad if sharded and is_src else None
-            _scatter_from_rank0(call, groups, handle, padded, received, set_received)
-
-        def free() -> None:
-            if is_src and grads and not sharded:
-                # The gradient from before keeps its identity: it gets the copy's
-                if succeeded and grad is not None:
-                    grad.copy_(flat_param.grad)
-                if grad is not None or not succeeded:
-                    flat_param.grad = grad
-            if is_src:
-                # Even if allocated before (a forward), so no rank keeps a stale copy
-                _reshard(state, handle, sharded)
-            if grads:
-                _reshard_grads(handle)
-            handle._training_state = HandleTrainingState.IDLE
-
-        call.frees.append(free)
+        call.ok = call.ok and body_succeeded
+        call.states.append(s)
         if own_call or (offload_to_cpu and handle.device.type != "cpu"):
-            call.wait()
+            call.finish()
 
 
 def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
@@ -501,9 +509,9 @@ def _validate_unshard_params_args(
     supported for every sharding strategy and ``use_orig_params``, except one
     below. With ``NO_SHARD``, changes persist regardless of ``writeback``.
     """
-    handle = state._handle
     if writeback and rank0_only:
         # Rank 0 would edit the device copy, and resharding restore the CPU one
+        handle = state._handle
         offload = handle and handle._offload_params and handle.device.type != "cpu"
         if offload and not handle.uses_sharded_strategy:
             raise NotImplementedError(
@@ -683,7 +691,7 @@ def _unshard_params(
     with contextlib.ExitStack() as stack:
         if rank0_writeback is not None:
             # Exits last: the states' writebacks run concurrently
-            stack.callback(rank0_writeback.wait)
+            stack.callback(rank0_writeback.finish)
         for state, module in zip(*states_and_modules):
             stack.enter_context(
                 _unshard_params_for_summon(

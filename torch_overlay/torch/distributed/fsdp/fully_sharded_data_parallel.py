@@ -896,6 +896,16 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
             GPUs that reside on the same machine, which may incur the risk of
             CPU OOM. It is recommended to use ``offload_to_cpu`` with
             ``rank0_only=True``.
+        .. note:: With ``writeback=True`` and ``rank0_only=True``, if a rank
+            fails before rank 0's changes are written back (in the context, or
+            while preparing it), no rank waits for it in a collective: nothing
+            is written back, and every rank raises, the failed one its error,
+            the others a ``RuntimeError``. Each rank then holds its parameters
+            and gradients from before, with what it changed in its own shard
+            (with ``NO_SHARD``, every rank gets rank 0's parameters from
+            before). If a collective fails while writing back, only the ranks
+            where it fails raise, once every FSDP unit is resharded. Not
+            supported for ``NO_SHARD`` with ``CPUOffload`` on an accelerator.
 
         Args:
             recurse (bool, Optional): recursively summon all params for nested
@@ -908,10 +918,7 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 context, only rank 0 will have full parameters and the other
                 ranks will have sharded parameters. With ``writeback=True``,
                 rank 0's changes are written back to every rank, over theirs;
-                if the body raises on any rank, nothing is (with ``NO_SHARD``,
-                all get rank 0's parameters from before; with sharding, a rank
-                keeps its own changes to its shard). Not for ``NO_SHARD`` with
-                ``CPUOffload`` on an accelerator.
+                if a rank fails first, none are, and every rank raises.
             offload_to_cpu (bool, Optional): If ``True``, full parameters are
                 offloaded to CPU. For ``world_size = 1`` or ``NO_SHARD``
                 config, this is a CPU copy whose changes are copied back upon
@@ -922,9 +929,11 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 unsharded with the parameters (offloaded to CPU with
                 ``offload_to_cpu=True``). With ``writeback=True`` and
                 ``rank0_only=True``, rank 0's changes to the gradients are
-                written back to every rank too (if the body raises on any
-                rank, each rank keeps its gradient). The gradients must be in
-                the parameters' dtype on every rank. (Default: ``False``)
+                written back to every rank too. A rank whose gradient is
+                ``None`` takes the one it receives: with sharding, zeros unless
+                rank 0 wrote into that shard (in which rank 0 sees zeros). The
+                gradients must be in the parameters' dtype on every rank.
+                (Default: ``False``)
         """
         with _unshard_params(
             module, recurse, writeback, rank0_only, offload_to_cpu, with_grads

@@ -73,44 +73,62 @@ def _writeback_to_local_shard(
             existing_grad[: grad_shard.numel()].copy_(grad_shard)
 
 
-def _is_rank0(groups: tuple[dist.ProcessGroup, ...], replica_only=False) -> bool:
-    """Whether this rank is the source, or with ``replica_only`` in its replica."""
-    return all(dist.get_rank(g) == 0 for g in groups[replica_only:])
+class _Rank0Writeback:
+    """What the FSDP states of one ``summon_full_params()`` call share."""
+
+    def __init__(self) -> None:
+        self.group, self.device = None, None  # of the agreements: the first state's
+        self.ok, self.failed = True, False  # this rank so far; a rank, as agreed
+        self.states: list[_Rank0State] = []  # exited, not yet written back
+
+    def agree(self) -> None:
+        result = torch.tensor([not self.ok], dtype=torch.int32, device=self.device)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX, group=self.group)
+        self.failed = bool(result.item())
+        if self.failed and self.ok:
+            raise RuntimeError(
+                "summon_full_params(writeback=True, rank0_only=True) failed on "
+                "another rank (see its error): nothing was written back"
+            )
+
+    def finish(self) -> None:
+        states, self.states = self.states, []
+        try:
+            if states and not self.failed:
+                self.agree()
+        finally:
+            for s in states:
+                s.write_back(not self.failed)
 
 
-def _all_agree(groups: tuple[dist.ProcessGroup, ...], value: bool, device) -> bool:
-    result = torch.tensor([int(value)], dtype=torch.int32, device=device)
-    # For hybrid sharding, the minimum within each replica, then across them
-    for group in groups:
-        dist.all_reduce(result, op=dist.ReduceOp.MIN, group=group)
-    return bool(result.item())
+class _Rank0State:
+    """A state's part of a call: its unsharded copy on the source, its writeback."""
 
+    def __init__(self, state: _FSDPState, handle: FlatParamHandle):
+        self.state, self.handle, self.group = state, handle, state.process_group
+        self.is_src = dist.get_rank(self.group) == 0
+        self.sharded, self.before = handle.uses_sharded_strategy, None
 
-@torch.no_grad()
-def _writeback_from_rank0(groups, handle: FlatParamHandle, before) -> None:
-    """
-    Scatters the source's unsharded parameter to each rank's shard (for hybrid
-    sharding, to its replica, which broadcasts it on); ``NO_SHARD`` broadcasts.
-    """
-    flat_param = handle.flat_param
-    if not handle.uses_sharded_strategy:
-        if before is not None:
-            flat_param.copy_(before)
-        dist.broadcast(flat_param.data, group=groups[0], group_src=0)
-        return
-    out = buffer = flat_param._local_shard
-    if out.device != handle.device:  # CPUOffload: collectives on the device
-        buffer = torch.empty_like(out, device=handle.device)
-    if _is_rank0(groups, replica_only=True):
-        chunks = None
-        if _is_rank0(groups):
-            padded = handle._get_padded_unsharded_flat_param()
-            padded[flat_param._unpadded_unsharded_size.numel() :].zero_()
-            chunks = list(padded.chunk(handle.world_size))
-        dist.scatter(buffer, chunks, group=groups[0], group_src=0)
-    if len(groups) > 1:
-        dist.broadcast(buffer, group=groups[1], group_src=0)
-    out.copy_(buffer)
+    @torch.no_grad()
+    def write_back(self, write: bool) -> None:
+        """Writes back the source's copy (``NO_SHARD``: restores it), then frees."""
+        handle, flat_param, group = self.handle, self.handle.flat_param, self.group
+        try:
+            if not self.sharded:
+                if not write and self.before is not None:
+                    flat_param.copy_(self.before)
+                dist.broadcast(flat_param.data, group=group, group_src=0)
+            elif write:
+                chunks = None
+                if self.is_src:
+                    padded = handle._get_padded_unsharded_flat_param()
+                    padded[flat_param._unpadded_unsharded_size.numel() :].zero_()
+                    chunks = list(padded.chunk(handle.world_size))
+                dist.scatter(flat_param._local_shard, chunks, group=group, group_src=0)
+            # Even if allocated before (a forward), so no rank keeps a stale copy
+            _reshard(self.state, handle, self.sharded)
+        finally:
+            handle._training_state = HandleTrainingState.IDLE
 
 
 @contextlib.contextmanager
@@ -119,45 +137,43 @@ def _unshard_fsdp_state_params_from_rank0(
     state: _FSDPState,
     handle: FlatParamHandle,
     offload_to_cpu: bool,
+    call: _Rank0Writeback | None,
 ) -> Generator:
     """
-    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``:
-    upon exit, the ranks agree whether the body succeeded everywhere (a rank
-    whose body raised gets there too, so none blocks). Only then, global rank 0
-    writes back its parameter; with ``NO_SHARD``, else its values from before.
+    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``. The
+    ranks agree whether one failed before each state unshards and once all exited
+    (without a ``call``, this one): a failed rank's exit meets the others' next.
     """
-    groups, flat_param = (state.process_group,), handle.flat_param
-    if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
-        groups += (state._inter_node_pg,)
-    is_src, sharded = _is_rank0(groups), handle.uses_sharded_strategy
+    own_call, call = call is None, call or _Rank0Writeback()
+    call.group, call.device = call.group or state.process_group, handle.device
+    s, flat_param = _Rank0State(state, handle), handle.flat_param
+    call.agree()  # if a rank failed in an earlier state, every rank raises
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-    _reset_flat_param_grad_info_if_needed(handle)
-    computation_stream = state._device_handle.current_stream()
-    _unshard(state, handle, computation_stream, computation_stream)
-    before, body_succeeded = None, False
+    body_succeeded = False
     try:
-        if not is_src:
+        _reset_flat_param_grad_info_if_needed(handle)
+        stream = state._device_handle.current_stream()
+        _unshard(state, handle, stream, stream)
+        if not s.is_src:
             # Free early, even if allocated before (a forward): it would go stale
-            _reshard(state, handle, sharded)
+            _reshard(state, handle, s.sharded)
             yield
         else:
             with contextlib.ExitStack() as stack:
-                if not sharded:
-                    before = flat_param.detach().clone()
+                if not s.sharded:  # to restore on failure
+                    s.before = flat_param.detach().clone()
                 if offload_to_cpu and not flat_param.is_cpu:
-                    cpu = handle.to_cpu() if sharded else _no_shard_to_cpu(handle)
+                    cpu = handle.to_cpu() if s.sharded else _no_shard_to_cpu(handle)
                     stack.enter_context(cpu)
                 if not state._use_orig_params:
                     stack.enter_context(_unflatten_as_params(state, module))
                 yield
         body_succeeded = True
     finally:
-        succeeded = _all_agree(groups, body_succeeded, handle.device)
-        if succeeded or not sharded:
-            _writeback_from_rank0(groups, handle, None if succeeded else before)
-        if is_src:
-            _reshard(state, handle, sharded)
-        handle._training_state = HandleTrainingState.IDLE
+        call.ok = call.ok and body_succeeded
+        call.states.append(s)
+        if own_call or (offload_to_cpu and handle.device.type != "cpu"):
+            call.finish()
 
 
 def _deregister_flat_param(state: _FSDPState, module: nn.Module) -> None:
@@ -317,14 +333,14 @@ def _validate_unshard_params_args(
     supported for every sharding strategy and ``use_orig_params``, except one
     below. With ``NO_SHARD``, changes persist regardless of ``writeback``.
     """
-    handle = state._handle
     if writeback and rank0_only:
-        # Rank 0 would edit the device copy, and resharding restore the CPU one
+        handle = state._handle
         offload = handle and handle._offload_params and handle.device.type != "cpu"
-        if with_grads or (offload and not handle.uses_sharded_strategy):
+        hybrid = state.sharding_strategy in HYBRID_SHARDING_STRATEGIES
+        if with_grads or offload or hybrid:
             raise NotImplementedError(
                 "writeback=True and rank0_only=True is not supported yet with "
-                "with_grads=True, nor with NO_SHARD and CPUOffload(offload_params="
+                "with_grads=True, hybrid sharding, nor CPUOffload(offload_params="
                 "True) on an accelerator: use rank0_only=False"
             )
     if offload_to_cpu and not rank0_only:
@@ -345,6 +361,7 @@ def _unshard_fsdp_state_params(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
+    rank0_writeback: _Rank0Writeback | None = None,
 ):
     """
     This unshards the parameters for a single FSDP state ``state`` that
@@ -373,7 +390,7 @@ def _unshard_fsdp_state_params(
 
     if writeback and rank0_only:
         with _unshard_fsdp_state_params_from_rank0(
-            module, state, handle, offload_to_cpu
+            module, state, handle, offload_to_cpu, rank0_writeback
         ):
             yield
         return
@@ -441,6 +458,7 @@ def _unshard_params_for_summon(
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
+    rank0_writeback: _Rank0Writeback | None = None,
 ):
     _validate_unshard_params_args(
         state, writeback, rank0_only, offload_to_cpu, with_grads
@@ -461,6 +479,7 @@ def _unshard_params_for_summon(
         rank0_only=rank0_only,
         offload_to_cpu=offload_to_cpu,
         with_grads=with_grads,
+        rank0_writeback=rank0_writeback,
     ):
         try:
             state.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -491,7 +510,11 @@ def _unshard_params(
         states_and_modules = ([optional_state], [module])
     else:
         states_and_modules = traversal_utils._get_fsdp_states_with_modules(module)
+    rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
+        if rank0_writeback is not None:
+            # Exits last: writes back once every state exited
+            stack.callback(rank0_writeback.finish)
         for state, module in zip(*states_and_modules):
             stack.enter_context(
                 _unshard_params_for_summon(
@@ -501,6 +524,7 @@ def _unshard_params(
                     rank0_only=rank0_only,
                     offload_to_cpu=offload_to_cpu,
                     with_grads=with_grads,
+                    rank0_writeback=rank0_writeback,
                 )
             )
         yield
