@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.patches import commit_message
@@ -207,6 +207,8 @@ class Prefix:
     """Backports that do not apply after patch k: the prefix is checked without them."""
     earlier: tuple[StackPatch, ...] = ()
     """Patches 1..k-1."""
+    editors: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
+    """Each upstream test file the series edits: the patches that edit it."""
 
     @property
     def applied(self) -> tuple[StackPatch, ...]:
@@ -225,32 +227,45 @@ def prefixes(project: Project, base: Base, pristine_files: dict[str, bytes]) -> 
     entries = stack(project, base.version)
     backports = tuple(e for e in entries if e.patch.fixed_upstream_in is not None)
     edited = [path for e in entries for path in e.patch.upstream_test_edits]
+    editors = {p: tuple(e.patch.name for e in entries if p in e.patch.upstream_test_edits) for p in edited}
     # NOTE: upstream test files are not in the wheel; their edits are checked against test/ by `make check`.
     excludes = [f"--exclude={path}" for path in edited]
     for k, entry in enumerate(entries, 1):
         after, earlier = tuple(b for b in backports if b not in entries[:k]), tuple(entries[: k - 1])
         try:
             files = apply_series(pristine_files, [e.file for e in entries[:k] + list(after)], excludes)
-            yield Prefix(entry, after, files, earlier=earlier)
+            yield Prefix(entry, after, files, earlier=earlier, editors=editors)
             continue
         except PatchApplyError as e:
             if not after or e.patch not in [b.file for b in after]:
-                yield Prefix(entry, after, None, f"{e.patch.name}: {e.stderr}", earlier=earlier)
+                yield Prefix(entry, after, None, f"{e.patch.name}: {e.stderr}", earlier=earlier, editors=editors)
                 continue
         try:
             files = apply_series(pristine_files, [e.file for e in entries[:k]], excludes)
-            yield Prefix(entry, (), files, without=after, earlier=earlier)
+            yield Prefix(entry, (), files, without=after, earlier=earlier, editors=editors)
         except PatchApplyError as e:
-            yield Prefix(entry, (), None, f"{e.patch.name}: {e.stderr}", after, earlier)
+            yield Prefix(entry, (), None, f"{e.patch.name}: {e.stderr}", after, earlier, editors)
 
 
-def prefix_tests(prefix: Prefix) -> list[str]:
-    """The test files a prefix runs: those of every patch it applies, in order.
+def prefix_tests(prefix: Prefix, root: Path | None = None) -> list[str]:
+    """The test files a prefix runs: those of every patch it applies, in order, with the upstream test files
+    they edit that ``root`` (the project) holds rewritten.
 
     NOTE: every applied patch's, not only patch k's: a patch that undoes an earlier one's change fails the
-    earlier one's tests at the prefix that lands it, even where a later patch would restore the change.
+    earlier one's tests at the prefix that lands it, even where a later patch would restore the change. A
+    rewritten upstream test file holds the edits of every patch that edits it, so it runs from the prefix of
+    the last of them on.
     """
-    return list(dict.fromkeys(t for e in prefix.applied for t in e.patch.tests if Path(t).name.startswith("test_")))
+    files = [t for e in prefix.applied for t in e.patch.tests]
+    if root is not None:
+        applied = {e.patch.name for e in prefix.applied}
+        files += [
+            t
+            for e in prefix.applied
+            for t in e.patch.upstream_test_edits
+            if (root / t).is_file() and set(prefix.editors.get(t, ())) <= applied
+        ]
+    return list(dict.fromkeys(t for t in files if Path(t).name.startswith("test_")))
 
 
 def check_prefix(
@@ -279,7 +294,7 @@ def check_prefix(
         if proc.returncode != 0:
             imported = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     result = PrefixResult(prefix, None, imported, modules)
-    tests = prefix_tests(prefix)
+    tests = prefix_tests(prefix, scratch)
     if import_only or imported is not None or not tests:
         return result
     start = time.monotonic()

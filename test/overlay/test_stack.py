@@ -270,6 +270,9 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
         found = list(prefixes(self.project, base, self.found.files(base)))
         one, two, three = ("test/fake/test_one.py", "test/fake/test_two.py", "test/fake/test_three.py")
         self.assertEqual([prefix_tests(p) for p in found], [[one], [one, two, three], [one, two, three]])
+        # An upstream test file the project holds rewritten runs once every patch that edits it is applied.
+        upstream = "test/fake/test_upstream.py"
+        self.assertEqual([upstream in prefix_tests(p, self.project.root) for p in found], [False, True, True])
 
     def test_test_last_runs_the_tests_at_the_last_prefix_only(self) -> None:
         base = self.project.manifest().base("9.8.0")
