@@ -7,6 +7,9 @@ Side by side in one run, on the same FSDP model (FULL_SHARD, one FSDP unit per l
     edits, then every full parameter is broadcast from rank 0 by hand before the context writes back the shards.
 (c) the floor: one bare ``dist.gather`` to rank 0, then one ``dist.scatter`` from it, of the same bytes
     (every rank's padded shards); the scatter is the floor of the writeback.
+(g) the floor as in (c), with rank 0's receive buffer allocated in the call and freed at its end, as rank 0's
+    unsharded parameters are in (a) (and in stock ``summon_full_params``): (c) plus the first touch of new memory;
+    (h) is (f) likewise, for (e).
 (d) what a user picks today without the overlay: ``torch.distributed.checkpoint.state_dict``'s
     ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (rank 0 gets the full state dict), rank 0
     edits it, then ``set_model_state_dict(..., broadcast_from_rank0=True)``. It runs FSDP's stock code paths
@@ -23,7 +26,7 @@ Before each measurement, ``malloc_trim(0)`` hands the free heap pages back to th
 could reuse pages already resident and go unseen. The allocator keeps its default settings, so that times
 are what users see.
 
-Times are the slowest rank's, median of ``--repeats``; (a) and (c) alternate within each repeat, and their ratio
+Times are the slowest rank's, median of ``--repeats``; (a) and its floors alternate within each repeat, and their ratio
 is also given per repeat (median and range). "writeback" is the same interval for all three: from a
 barrier that every rank passes once the body is done (rank 0 finished its edit) to a barrier after the context
 exits; for (c), from a barrier to a barrier after the scatter. "total" starts at a barrier before entering the
@@ -163,20 +166,25 @@ def _workaround(model: nn.Module, rank: int) -> float:
     return writeback_start
 
 
-def _floor(shard_numel: int, rank: int, gather: bool = False) -> Callable[[], float]:
+def _floor(shard_numel: int, rank: int, gather: bool = False, fresh: bool = False) -> Callable[[], float]:
     """One scatter of every rank's shard (after one gather of them, with ``gather``). Both buffers exist
-    beforehand, as rank 0's unsharded parameters and every rank's local shard do in (a): the floor moves the
-    bytes and nothing else."""
+    beforehand: the floor moves the bytes and nothing else. With ``fresh``, rank 0 allocates the buffer it
+    gathers into in the call, as it does its unsharded parameters in (a)."""
     full = torch.zeros(shard_numel * WORLD_SIZE) if rank == 0 else None
     shard = torch.zeros(shard_numel)
 
     def run() -> float:
+        nonlocal full
+        if fresh and rank == 0:
+            full = torch.empty(shard_numel * WORLD_SIZE)
         if gather:
             dist.gather(shard, list(full.chunk(WORLD_SIZE)) if full is not None else None, dst=0)
         _body_started()
         dist.barrier()
         writeback_start = time.perf_counter()
         dist.scatter(shard, list(full.chunk(WORLD_SIZE)) if full is not None else None, src=0)
+        if fresh:
+            full = None  # freed, as (a) frees rank 0's unsharded parameters
         return writeback_start
 
     return run
@@ -197,6 +205,16 @@ def _check_edit_everywhere(
 
 def _backward(model: nn.Module, width: int) -> None:
     model(torch.ones(2, width)).sum().backward()
+
+
+def _alternate(runs: dict[str, Callable[[], float]], results: dict, repeats: int, check: Callable[[], None]) -> None:
+    """Each repeat runs every method once, the first one shifting, so that the machine's load hits them alike."""
+    keys = list(runs)
+    for i in range(repeats):
+        for key in keys[i % len(keys) :] + keys[: i % len(keys)]:
+            results[key].append(_measure(runs[key]))
+        if i == 0:
+            check()
 
 
 def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, only: str, queue) -> None:
@@ -227,31 +245,30 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, on
         if i == 0:
             _check_edit_everywhere(model, expected)
     del model
-    # (a) ours, activated before the model is built, and (c) the floor, alternating in each repeat (which goes
-    # first alternates too), so that a change in the machine's load hits both alike
+    # (a) ours, activated before the model is built, and the floors (c) and (g), alternating in each repeat
     model = _build_model(layers, width)
-    floor = _floor(shard_numel, rank, gather=True)
-    for i in range(repeats if "a" in only else 0):
-        for key in ("a", "c") if i % 2 == 0 else ("c", "a"):
-            results[key].append(_measure((lambda: _ours(model, rank)) if key == "a" else floor))
-        if i == 0:
-            _check_edit_everywhere(model, expected)
-    del model, floor
+    runs = {
+        "a": lambda: _ours(model, rank),
+        "c": _floor(shard_numel, rank, True),
+        "g": _floor(shard_numel, rank, True, True),
+    }
+    _alternate(runs, results, repeats, lambda: _check_edit_everywhere(model, expected))
+    del model, runs
     if "e" not in only:
         queue.put((rank, shard_numel, results))
         dist.destroy_process_group()
         return
-    # (e) ours with gradients and (f) its floor, alternating likewise
+    # (e) ours with gradients and its floors (f) and (h), alternating likewise
     model = _build_model(layers, width)
     _backward(model, width)
     with FSDP.summon_full_params(model, writeback=False, with_grads=True):
         expected_grads = [p.grad.clone() * 0.5 for p in model.parameters()]
-    floor = _floor(2 * shard_numel, rank, gather=True)
-    for i in range(repeats):
-        for key in ("e", "f") if i % 2 == 0 else ("f", "e"):
-            results[key].append(_measure((lambda: _ours_with_grads(model, rank)) if key == "e" else floor))
-        if i == 0:
-            _check_edit_everywhere(model, expected, expected_grads)
+    runs = {
+        "e": lambda: _ours_with_grads(model, rank),
+        "f": _floor(2 * shard_numel, rank, True),
+        "h": _floor(2 * shard_numel, rank, True, True),
+    }
+    _alternate(runs, results, repeats, lambda: _check_edit_everywhere(model, expected, expected_grads))
     queue.put((rank, shard_numel, results))
     dist.destroy_process_group()
 
@@ -265,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default="abcdef", help="the methods to run, e.g. ac (a prefix of the series without gradients)"
     )
     args = parser.parse_args(argv)
-    only = "".join(sorted(set(args.only + "c" + ("f" if "e" in args.only else "")) & set("abcdef")))
+    only = "".join(sorted(set(args.only + "cg" + ("fh" if "e" in args.only else "")) & set("abcdefgh")))
     if "a" not in only:
-        parser.error("--only must include a: (c) and (e) alternate with it")
+        parser.error("--only must include a: the floors and (e) alternate with it")
     numel = args.layers * (args.width * args.width + args.width)
     print(
         f"model: {args.layers} x Linear({args.width}, {args.width}) = {numel / 1e6:.1f}M parameters "
@@ -312,22 +329,26 @@ def main(argv: list[str] | None = None) -> int:
         "d": "(d) DCP get/set_model_state_dict (stock paths)",
         "e": "(e) rank-0 writeback + grads (overlay)",
         "f": "(f) floor of (e): gather + scatter, 2x",
+        "g": "(g) (c), rank 0's buffer allocated in the call",
+        "h": "(h) (f), rank 0's buffer allocated in the call",
     }
     print(f"one shard = {shard_bytes / MIB:.1f} MiB; peak extra = max over ranks 1-3 of VmHWM - VmRSS before")
-    print("x floor: over (c) for (a)-(d), over (f) for (e)-(f)")
+    print("x floor: over (c) for (a)-(d) and (g), over (f) for (e), (f) and (h)")
     header = f"{'method':<50}{'total s':>9}{'gather+wb s':>13}{'x floor':>9}{'writeback s':>13}{'x floor':>9}"
     print(f"{header}{'peak extra MiB':>16}{'shards':>8}")
     for key, (total, moved, writeback, peak) in rows.items():
-        floor_row = rows["c" if key in "abcd" else "f"]
+        floor_row = rows["f" if key in "efh" else "c"]
         print(
             f"{names[key]:<50}{total:>9.3f}{moved:>13.3f}{moved / floor_row[1]:>9.2f}{writeback:>13.3f}"
             f"{writeback / floor_row[2]:>9.2f}{peak / MIB:>16.1f}{peak / shard_bytes:>8.2f}"
         )
     print(f"writeback {paired('a', 'c', lambda key: slowest_s(key, 'writeback_s'))}")
     print(f"gather + writeback {paired('a', 'c', moved_s)}")
+    print(f"gather + writeback {paired('a', 'g', moved_s)} (the floor that allocates, as (a) does)")
     if "e" in only:
         print(f"writeback {paired('e', 'f', lambda key: slowest_s(key, 'writeback_s'))}")
         print(f"gather + writeback {paired('e', 'f', moved_s)}")
+        print(f"gather + writeback {paired('e', 'h', moved_s)} (the floor that allocates, as (e) does)")
     return 0
 
 
