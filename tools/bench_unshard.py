@@ -170,7 +170,7 @@ def _floor(shard_numel: int, rank: int, gather: bool = False, fresh: bool = Fals
     """One scatter of every rank's shard (after one gather of them, with ``gather``). Both buffers exist
     beforehand: the floor moves the bytes and nothing else. With ``fresh``, rank 0 allocates the buffer it
     gathers into in the call, as it does its unsharded parameters in (a)."""
-    full = torch.zeros(shard_numel * WORLD_SIZE) if rank == 0 else None
+    full = torch.zeros(shard_numel * WORLD_SIZE) if rank == 0 and not fresh else None
     shard = torch.zeros(shard_numel)
 
     def run() -> float:
@@ -249,8 +249,8 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, on
     model = _build_model(layers, width)
     runs = {
         "a": lambda: _ours(model, rank),
-        "c": _floor(shard_numel, rank, True),
-        "g": _floor(shard_numel, rank, True, True),
+        "c": _floor(shard_numel, rank, gather=True),
+        "g": _floor(shard_numel, rank, gather=True, fresh=True),
     }
     _alternate(runs, results, repeats, lambda: _check_edit_everywhere(model, expected))
     del model, runs
@@ -265,8 +265,8 @@ def _worker(rank: int, init_file: str, layers: int, width: int, repeats: int, on
         expected_grads = [p.grad.clone() * 0.5 for p in model.parameters()]
     runs = {
         "e": lambda: _ours_with_grads(model, rank),
-        "f": _floor(2 * shard_numel, rank, True),
-        "h": _floor(2 * shard_numel, rank, True, True),
+        "f": _floor(2 * shard_numel, rank, gather=True),
+        "h": _floor(2 * shard_numel, rank, gather=True, fresh=True),
     }
     _alternate(runs, results, repeats, lambda: _check_edit_everywhere(model, expected, expected_grads))
     queue.put((rank, shard_numel, results))
