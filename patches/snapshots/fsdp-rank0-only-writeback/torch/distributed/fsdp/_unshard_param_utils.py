@@ -243,11 +243,15 @@ def _agree_on_grads(handle: FlatParamHandle, groups) -> bool:
     any_grad, other_dtype = any_flags.tolist()
     if other_dtype:
         handle._training_state = HandleTrainingState.IDLE
-        raise NotImplementedError(
-            f"with_grads=True needs every rank's gradient in {dtype}: use "
-            "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
-        )
+        raise _other_dtype_error(dtype)
     return bool(any_grad)
+
+
+def _other_dtype_error(dtype: torch.dtype) -> NotImplementedError:
+    return NotImplementedError(
+        f"with_grads=True needs every rank's gradient in {dtype}: use "
+        "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
+    )
 
 
 @torch.no_grad()
