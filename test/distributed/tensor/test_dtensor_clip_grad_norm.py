@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     parallelize_module,
     RowwiseParallel,
+    SequenceParallel,
 )
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from torch.testing._internal.common_utils import (
@@ -209,15 +210,53 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
         ):
             get_total_norm(grads)
 
-    def test_partial_placement_raises(self):
+    def test_partial_grads_are_reduced_first(self):
+        """Partial gradients (of sequence parallel norms) count as what they sum to,
+        here on another mesh than the others."""
         mesh = self.mesh
-        grad = torch.ones(4, device=self.device_type)
+        local = torch.arange(4.0, device=self.device_type) + self.rank
         grads = [
-            DTensor.from_local(grad, mesh["dp"], [Partial()]),
-            distribute_tensor(grad, mesh, [Shard(0), Replicate()]),
+            DTensor.from_local(local, mesh["dp"], [Partial()]),
+            distribute_tensor(local, mesh, [Shard(0), Replicate()]),
         ]
-        with self.assertRaisesRegex(ValueError, r"placement Partial\(sum\)"):
-            get_total_norm(grads)
+        flat = torch.cat([g.full_tensor() for g in grads])
+        for norm_type in (2, INF, 1):
+            norm = get_total_norm(grads, norm_type)
+            self.assertEqual(norm, torch.linalg.vector_norm(flat, norm_type))
+
+    def test_clip_grad_norm_sequence_parallel_tp(self):
+        """TP alone with Partial gradients (a sequence parallel norm), Replicate ones
+        of Shard(0) weights (a vocabulary-parallel embedding) and a plain head."""
+        torch.manual_seed(0)
+        ref = nn.Sequential(
+            nn.Embedding(DIM, DIM),
+            nn.LayerNorm(DIM),
+            nn.Linear(DIM, DIM),
+            nn.Linear(DIM, DIM),
+        ).to(self.device_type)
+        model = parallelize_module(
+            copy.deepcopy(ref),
+            self.mesh["tp"],
+            {
+                "0": RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Shard(1)
+                ),
+                "1": SequenceParallel(),
+                "2": ColwiseParallel(
+                    input_layouts=Shard(1), output_layouts=Replicate()
+                ),
+            },
+        )
+        tokens = torch.arange(16, device=self.device_type).view(2, 8) % DIM
+        for m in (ref, model):
+            F.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten()).backward()
+        self.assertIsInstance(model[1].weight.grad.placements[0], Partial)
+        for norm_type in (2, INF):
+            ref_norm = clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+            norm = clip_grad_norm_(model.parameters(), 0.05, norm_type)
+            self.assertEqual(norm, ref_norm)
+        for name, param in model.named_parameters():
+            self.assertEqual(full_grad(param), ref.get_parameter(name).grad, msg=name)
 
     def test_stock_paths(self):
         """Plain tensors only, and DTensors on one mesh (the result is a DTensor)."""

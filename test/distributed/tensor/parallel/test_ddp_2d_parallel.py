@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -10,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.distributed._composable.replicate import replicate
-from torch.distributed._tensor import DTensor, Replicate
+from torch.distributed._tensor import DTensor, Replicate, Shard
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -24,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     parallelize_module,
     RowwiseParallel,
+    SequenceParallel,
 )
 from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
@@ -35,6 +37,8 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     DTensorContinuousTestBase,
     DTensorTestBase,
     MLPModule,
+    ModelArgs,
+    Transformer,
     with_comms,
 )
 from torch.utils.checkpoint import checkpoint
@@ -181,6 +185,50 @@ TP_PLAN = {
 
 def full_state(module):
     return {name: full(value) for name, value in module.state_dict().items()}
+
+
+VOCAB = 8
+
+
+def transformer_args(**kwargs):
+    # No dropout: TP alone and DDP would draw different masks.
+    return ModelArgs(dropout_p=0.0, vocab_size=VOCAB, **kwargs)
+
+
+def lm_loss(module, tokens):
+    logits = module(tokens)
+    return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+
+
+def freezing_loss(models, name, at_call):
+    """``lm_loss`` that freezes parameter ``name`` of ``models`` at call ``at_call``."""
+    calls = itertools.count()
+
+    def loss(module, tokens):
+        if next(calls) == at_call:
+            for model in models:
+                model.get_parameter(name).requires_grad_(False)
+        return lm_loss(module, tokens)
+
+    return loss
+
+
+class SPNormModel(nn.Sequential):
+    """A vocabulary-parallel embedding, a sequence parallel norm and a plain head."""
+
+    plan = {
+        "0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "1": SequenceParallel(),
+        "2": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Embedding(VOCAB, DIM),
+            nn.LayerNorm(DIM),
+            nn.Linear(DIM, VOCAB),
+            nn.Linear(VOCAB, VOCAB),
+        )
 
 
 class TestDDPTensorParallel(DTensorContinuousTestBase):
@@ -536,6 +584,229 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
                 graphs.append(counters["stats"]["unique_graphs"])
             self.assertEqual(full_state(model), reference.state_dict())
             self.assertEqual(graphs, [1, 1, 1], msg=backend)
+
+    # TP plans whose gradients arrive with other placements than their
+    # parameters', against TP alone on the same global batch.
+
+    def tokens(self, step, global_batch=False):
+        """The batch of this dp rank at ``step``, or all dp ranks' together."""
+
+        def batch(dp_rank):
+            gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+            tokens = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            return tokens.to(self.device_type)
+
+        if global_batch:
+            return torch.cat([batch(r) for r in range(self.mesh["dp"].size())])
+        return batch(self.mesh["dp"].get_local_rank())
+
+    def build_transformer(self, seq_parallel=False, **kwargs):
+        """Upstream's test Transformer under TP: one for TP alone, one to wrap."""
+        torch.manual_seed(0)
+        model = Transformer(transformer_args(**kwargs)).to(self.device_type)
+        return [
+            # Local attention outputs: SDPA on CPU has no DTensor rule.
+            Transformer.parallelize(
+                copy.deepcopy(model), self.mesh["tp"], seq_parallel, True
+            )
+            for _ in range(2)
+        ]
+
+    def assert_grads_equal(self, model, tp_alone, msg="", reduced=True):
+        """
+        The gradients of TP alone; those DDP reduced in their parameters'
+        placements (TP alone may give other placements).
+        """
+        expected = dict(tp_alone.named_parameters())
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if reduced and isinstance(grad, DTensor):
+                self.assertEqual(grad.placements, param.placements, msg=name)
+            ref = expected[name].grad
+            self.assertEqual(full(grad), full(ref), msg=f"{msg} {name}")
+
+    def assert_replicated_over_tp(self, model, msg=""):
+        """Every Replicate or plain parameter is the same on every TP rank."""
+        local = [
+            p.to_local() if isinstance(p, DTensor) else p
+            for p in model.parameters()
+            if not isinstance(p, DTensor) or all(x.is_replicate() for x in p.placements)
+        ]
+        flat = torch.cat([t.detach().flatten() for t in local])
+        gathered = [torch.empty_like(flat) for _ in range(TP_DEGREE)]
+        dist.all_gather(gathered, flat, group=self.mesh["tp"].get_group())
+        for other in gathered[1:]:
+            self.assertEqual(other, gathered[0], atol=0, rtol=0, msg=msg)
+
+    def check_tp_alone_parity(
+        self,
+        model,
+        tp_alone,
+        wrap="ddp",
+        steps=3,
+        loss=lm_loss,
+        msg="",
+        backend=None,
+        **options,
+    ):
+        """
+        Train ``model`` under DDP (or replicate) and ``tp_alone`` on the global
+        batch: the same step-0 gradients, the same parameters after AdamW steps
+        with clip_grad_norm_, and Replicate parameters equal on every TP rank.
+        """
+        optim, ref_optim = self.optims(model, tp_alone)
+        ddp = self.wrap(model, wrap, **options)
+        if backend is not None:
+            ddp = torch.compile(ddp, backend=backend)
+        for step in range(steps):
+            loss(ddp, self.tokens(step)).backward()
+            loss(tp_alone, self.tokens(step, global_batch=True)).backward()
+            if step == 0:
+                self.assert_grads_equal(model, tp_alone, msg=msg)
+            norms = [clip_grad_norm_(m.parameters(), 0.5) for m in (model, tp_alone)]
+            self.assertEqual(full(norms[0]), full(norms[1]), msg=msg)
+            for o in (optim, ref_optim):
+                o.step()
+                o.zero_grad()
+        self.assertEqual(full_state(model), full_state(tp_alone), msg=msg)
+        self.assert_replicated_over_tp(model, msg=msg)
+        return ddp
+
+    def test_transformer_trains_as_tp_alone(self):
+        """
+        Upstream's test Transformer: vocabulary-parallel embeddings (Replicate
+        gradients of Shard(0) weights), a tied output, and sequence parallel
+        norms (Partial gradients of Replicate weights) or plain ones.
+        """
+        configs = itertools.product((False, True), ("ddp", "replicate"), (False, True))
+        for seq_parallel, wrap, bucket_view in configs:
+            tp_alone, model = self.build_transformer(seq_parallel)
+            self.check_tp_alone_parity(
+                model,
+                tp_alone,
+                wrap,
+                msg=f"seq_parallel={seq_parallel} {wrap} bucket_view={bucket_view}",
+                gradient_as_bucket_view=bucket_view,
+            )
+
+    def test_vocab_parallel_embedding_and_sequence_parallel_norm(self):
+        """
+        Each layout alone: a vocabulary-parallel embedding, then with a sequence
+        parallel norm and a plain head (the clip over Partial and plain gradients).
+        """
+        torch.manual_seed(0)
+        embedding = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB))
+        norm = SPNormModel()
+        for module, plan in (
+            (embedding, {"0": RowwiseParallel(input_layouts=Replicate())}),
+            (norm, SPNormModel.plan),
+        ):
+            for bucket_view in (False, True):
+                model, tp_alone = (
+                    parallelize_module(copy.deepcopy(module), self.mesh["tp"], plan)
+                    for _ in range(2)
+                )
+                self.check_tp_alone_parity(
+                    model,
+                    tp_alone,
+                    msg=f"{type(module[1]).__name__} bucket_view={bucket_view}",
+                    gradient_as_bucket_view=bucket_view,
+                )
+
+    def test_transformer_meta_init_after_replicate(self):
+        """
+        A training library's flow: build on meta, apply the TP plan, replicate(),
+        to_empty() and init, then the optimizer, train, and DCP's state dict.
+        """
+        models = []
+        for wrap in (True, False):
+            with torch.device("meta"):
+                model = Transformer(transformer_args())
+            Transformer.parallelize(model, self.mesh["tp"], True, True)
+            if wrap:
+                replicate(model, device_mesh=self.mesh["dp"])
+            model.to_empty(device=self.device_type)
+            torch.manual_seed(5)  # the same on every rank, as TP requires
+            for m in model.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+                    m.reset_parameters()
+            models.append(model)
+        model, tp_alone = models
+        self.assertEqual(full_state(model), full_state(tp_alone), atol=0, rtol=0)
+        optim, ref_optim = self.optims(model, tp_alone)
+        for step in range(3):
+            lm_loss(model, self.tokens(step)).backward()
+            lm_loss(tp_alone, self.tokens(step, global_batch=True)).backward()
+            for o in (optim, ref_optim):
+                o.step()
+                o.zero_grad()
+        msd, ref_msd = (get_model_state_dict(m) for m in (model, tp_alone))
+        self.assertEqual(list(msd), list(ref_msd))
+        for key, value in msd.items():
+            self.assertIsInstance(value, DTensor)
+            self.assertEqual(value.full_tensor(), ref_msd[key].full_tensor(), msg=key)
+        self.assert_replicated_over_tp(model)
+
+    def test_transformer_static_graph_and_find_unused(self):
+        """static_graph, and find_unused_parameters with a weight frozen mid-run."""
+        frozen = "layers.1.feed_forward.w2.weight"
+        for seq_parallel, options in itertools.product(
+            (False, True), ({"static_graph": True}, {"find_unused_parameters": True})
+        ):
+            tp_alone, model = self.build_transformer(seq_parallel)
+            loss = lm_loss
+            if "find_unused_parameters" in options:  # frozen before step 1
+                loss = freezing_loss((model, tp_alone), frozen, at_call=2)
+
+            msg = f"seq_parallel={seq_parallel} {options}"
+            self.check_tp_alone_parity(model, tp_alone, loss=loss, msg=msg, **options)
+
+    def test_transformer_no_sync(self):
+        """Gradient accumulation over micro-batches, the last one synchronized."""
+        tp_alone, model = self.build_transformer(seq_parallel=True)
+        ddp = self.wrap(model)
+        for micro in range(3):
+            with ddp.no_sync() if micro < 2 else contextlib.nullcontext():
+                lm_loss(ddp, self.tokens(micro)).backward()
+            lm_loss(tp_alone, self.tokens(micro, global_batch=True)).backward()
+        self.assert_grads_equal(model, tp_alone)
+
+    def test_transformer_compile(self):
+        """torch.compile(DDP(TP Transformer)) trains as TP alone, in one graph."""
+        counters.clear()
+        tp_alone, model = self.build_transformer(seq_parallel=True)
+        self.check_tp_alone_parity(model, tp_alone, backend="aot_eager")
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)
+
+    def test_transformer_patterns(self):
+        """
+        A weight read before its owner's forward (a regularizer), activation
+        checkpointing, then a deep copy and functional_call of the trained module.
+        """
+
+        def regularized(module, tokens):
+            layers = (module.module if isinstance(module, DDP) else module).layers
+            extra = full(layers[1].feed_forward.w2.weight).pow(2).sum()
+            return 0.01 * extra + lm_loss(module, tokens)
+
+        for kwargs in ({}, {"checkpoint_activations": True}):
+            tp_alone, model = self.build_transformer(True, **kwargs)
+            loss = regularized if not kwargs else lm_loss
+            self.check_tp_alone_parity(model, tp_alone, loss=loss, msg=str(kwargs))
+        copies = copy.deepcopy(model), copy.deepcopy(tp_alone)
+        for m in copies:
+            lm_loss(m, self.tokens(3, global_batch=True)).backward()
+        self.assert_grads_equal(*copies, reduced=False)
+        grads = []
+        for m in (model, tp_alone):
+            params = {
+                n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()
+            }
+            tokens = self.tokens(4, global_batch=True)
+            call = functools.partial(torch.func.functional_call, m, params)
+            lm_loss(call, tokens).backward()
+            grads.append({n: full(p.grad) for n, p in params.items()})
+        self.assertEqual(grads[0], grads[1])
 
 
 if __name__ == "__main__":

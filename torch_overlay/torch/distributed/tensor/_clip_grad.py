@@ -6,7 +6,8 @@ DTensor ops compute the norm of DTensors on one mesh, but they cannot stack the
 norms of DTensors on several meshes (FSDP2 + TP: the TP parameters on the 2-D mesh,
 the others on its data parallel mesh) or mix them with plain tensors. Here the norms
 of the local shards are reduced instead, with one all-reduce per process group: no
-gradient is gathered, and the clip coefficient stays a tensor (no host sync).
+gradient is gathered (a ``Partial`` one is reduced first, as the DTensor norm does), and
+the clip coefficient stays a tensor (no host sync).
 """
 
 import torch
@@ -60,6 +61,14 @@ def _local_norms(
     for t in tensors:
         groups: tuple[dist.ProcessGroup, ...] = ()
         if isinstance(t, DTensor):
+            if any(p.is_partial() for p in t.placements):
+                # A norm is not linear: reduce a Partial DTensor first, as the
+                # DTensor norm does on one mesh (a sequence parallel norm's grad).
+                t = t.redistribute(
+                    placements=[
+                        Replicate() if p.is_partial() else p for p in t.placements
+                    ]
+                )
             groups = _sharded_groups(t)
             t = t.to_local()
             if t.numel() == 0:

@@ -382,14 +382,17 @@ def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param) -> None:
-    """
-    Hand the reducer the gradient of a DTensor parameter, once accumulated: its
-    local tensor is the gradient of the local tensor the reducer holds.
-    """
+    """Hand the reducer the local tensor of a DTensor parameter's gradient."""
     ddp = ddp_weakref()
     if ddp is None:
         return
-    grad = param.grad.to_local()  # grad mode is off in backward: no new tensor
+    grad = param.grad
+    if grad.placements != param.placements:
+        # NOTE: e.g. a Replicate gradient of a Shard(0) embedding, a Partial one
+        # of a SequenceParallel norm: redistribute it first, as FSDP2 does (one
+        # all-reduce over TP, where TP alone's optimizer would do one per op).
+        param.grad = grad = grad.redistribute(placements=param.placements)
+    grad = grad.to_local()  # grad mode is off in backward: no new tensor
     if local_tensor.grad is not grad:
         local_tensor.grad = grad
     ddp.reducer._autograd_hook(index)  # type: ignore[attr-defined]
@@ -1451,8 +1454,7 @@ class DistributedDataParallel(Module, Joinable):
                     "DistributedDataParallel's mixed_precision does not support "
                     "DTensor parameters: use torch.autocast instead.",
                 )
-            # The reducer's own leaf, an alias of the local tensor: the forward
-            # uses the DTensor parameter.
+            # The reducer's leaf, an alias of the local tensor (forward uses param).
             local_tensor = _local_tensor(param.detach()).requires_grad_()
             local_tensors[index] = local_tensor
             self._dtensor_params.append((*owners[param], param, local_tensor))
