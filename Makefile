@@ -41,7 +41,7 @@ test-stock: install
 	$(PYTEST) --stock test
 
 test-overlay: install sources
-	$(PYTEST) test
+	$(PYTEST) --durations=15 test
 
 UPSTREAM_FORMATTED := test/distributed/tensor/test_optimizers.py
 

@@ -191,8 +191,9 @@ VOCAB = 8
 
 
 def transformer_args(**kwargs):
-    # No dropout: TP alone and DDP would draw different masks.
-    return ModelArgs(dropout_p=0.0, vocab_size=VOCAB, **kwargs)
+    # No dropout: TP alone and DDP would draw different masks. One layer holds
+    # every layout of the plan.
+    return ModelArgs(n_layers=1, dropout_p=0.0, vocab_size=VOCAB, **kwargs)
 
 
 def lm_loss(module, tokens):
@@ -749,7 +750,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_transformer_static_graph_and_find_unused(self):
         """static_graph, and find_unused_parameters with a weight frozen mid-run."""
-        frozen = "layers.1.feed_forward.w2.weight"
+        frozen = "layers.0.feed_forward.w2.weight"
         for seq_parallel, options in itertools.product(
             (False, True), ({"static_graph": True}, {"find_unused_parameters": True})
         ):
@@ -786,7 +787,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
         def regularized(module, tokens):
             layers = (module.module if isinstance(module, DDP) else module).layers
-            extra = full(layers[1].feed_forward.w2.weight).pow(2).sum()
+            extra = full(layers[0].feed_forward.w2.weight).pow(2).sum()
             return 0.01 * extra + lm_loss(module, tokens)
 
         for kwargs in ({}, {"checkpoint_activations": True}):
