@@ -3,7 +3,7 @@
 import torch
 import torch.distributed.fsdp._unshard_param_utils as unshard_param_utils
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 from torch.testing._internal.common_utils import run_tests
 
@@ -79,6 +79,32 @@ class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
         for ref, grad in zip(ref_params, _edits(ref_params, grads=True), strict=True):
             ref.grad = grad if grad_on_rank0 else None
         self._check_full(model, reference, with_grads=True)
+
+    def test_rank0_writeback_grads_none_stays_none(self):
+        """
+        A rank whose gradient is None keeps None where rank 0 writes nothing into
+        its shard, as with ``rank0_only=False``, and rank 0 keeps its gradient.
+        """
+        self.run_subtests(
+            {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH},
+            self._test_rank0_writeback_grads_none_stays_none,
+        )
+
+    def _test_rank0_writeback_grads_none_stays_none(self, **kwargs):
+        grads = []
+        for rank0_only in (True, False):
+            model, _ = self._models(backward=True, **kwargs)
+            if self.rank != 0:
+                model.zero_grad(set_to_none=True)
+            with FSDP.summon_full_params(
+                model, writeback=True, rank0_only=rank0_only, with_grads=True
+            ):
+                pass
+            self._check_idle_and_resharded(model)
+            grads.append([p.grad for p in model.parameters()])
+        self.assertEqual(grads[0], grads[1])
+        nones = [g is None for g in grads[0]]
+        self.assertTrue(all(nones) if self.rank else not all(nones))
 
     def test_rank0_writeback_grads_body_raises(self):
         """If the body raises on rank 0 after editing, nothing is written back."""

@@ -256,7 +256,8 @@ class _Rank0State:
         works.append(lambda: (work.wait(), buffer is not out and out.copy_(buffer)))
 
     def free(self) -> None:
-        """Frees the copies; a rank without a gradient takes the one it received."""
+        """Frees the copies; a rank without a gradient takes the one it received
+        unless all zeros (rank 0 wrote nothing there: as with rank0_only=False)."""
         handle, own, written = self.handle, self.own, self.written
         flat_param = handle.flat_param
         try:
@@ -264,9 +265,9 @@ class _Rank0State:
                 # The gradient from before keeps its identity: it gets the copy's
                 if written and own is not None:
                     own.copy_(flat_param.grad)
-                if own is not None or not written:
+                if own is not None or not written or not flat_param.grad.any():
                     flat_param.grad = own
-            elif self.grads and own is None and written:
+            elif self.grads and own is None and written and self.send.any():
                 attr = "_saved_grad_shard" if self.sharded else "grad"
                 setattr(flat_param, attr, self.send)
             # Even if allocated before (a forward), so no rank keeps a stale copy

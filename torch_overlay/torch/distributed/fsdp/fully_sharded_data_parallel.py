@@ -930,9 +930,10 @@ class FullyShardedDataParallel(nn.Module, _FSDPState):
                 ``offload_to_cpu=True``). With ``writeback=True`` and
                 ``rank0_only=True``, rank 0's changes to the gradients are
                 written back to every rank too. A rank whose gradient is
-                ``None`` takes the one it receives: with sharding, zeros unless
-                rank 0 wrote into that shard (in which rank 0 sees zeros). The
-                gradients must be in the parameters' dtype on every rank.
+                ``None`` takes the one it receives unless that is all zeros:
+                with sharding, where rank 0 wrote into that rank's shard (in
+                which rank 0 sees zeros). The gradients must be in the
+                parameters' dtype on every rank.
                 (Default: ``False``)
         """
         with _unshard_params(
