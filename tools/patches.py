@@ -270,7 +270,7 @@ def _format_patch(repo: Path, dest: Path, commits: str, prefix: str) -> list[Pat
     """``git format-patch`` of ``commits`` into ``dest``, numbered among themselves: the files in order."""
     git(
         repo, "format-patch", "--quiet", "--numbered", "--zero-commit", "--no-signature", "--full-index",
-        "--no-stat", f"--subject-prefix={prefix}", "-o", str(dest), commits,
+        "--no-stat", "--always", f"--subject-prefix={prefix}", "-o", str(dest), commits,
     )  # fmt: skip
     return sorted(dest.iterdir())
 

@@ -31,7 +31,7 @@ from _patch_project import (
 from _patch_project import write as write_files
 
 from tools.check import check
-from tools.patches import PatchError, generate, write
+from tools.patches import PatchError, _format_patch, generate, git, write
 from tools.pristine import pristine
 from tools.project import default_project
 from tools.transplant import main as transplant_main
@@ -385,6 +385,17 @@ series.toml does not split the overlay into its patches:
                 "blob eaf34ed of test/upstream_edits/test/fake/test_upstream.py.diff; make them equal"
             ],
         )
+
+    def test_patch_of_upstream_test_edits_only_keeps_its_message(self) -> None:
+        """Such a patch is an empty commit until its diffs are spliced in: format-patch must still write it, or
+        the patch file has no From:/Subject: and `git am` refuses it."""
+        repo = self.tmp / "repo"
+        repo.mkdir()
+        git(repo, "init", "--quiet")
+        git(repo, "commit", "--quiet", "--allow-empty", "-m", "base")
+        git(repo, "commit", "--quiet", "--allow-empty", "-m", "[DDP] Tests only\n\nSummary:\nIts tests.")
+        (patch,) = _format_patch(repo, self.tmp / "out", "HEAD~1..HEAD", "PATCH")
+        self.assertIn("Subject: [PATCH 1/1] [DDP] Tests only", patch.read_text())
 
     def test_several_patches_edit_one_upstream_test(self) -> None:
         share_upstream_edit(self.project, self.tmp)
