@@ -284,7 +284,11 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
                 optim.step()
                 optim.zero_grad()
 
-    def assert_grads_match(self, model, reference, msg=""):
+    def assert_grads_match(self, model, reference, msg="", reduced=True):
+        """
+        The gradients of ``reference`` (without TP, or TP alone); those DDP
+        ``reduced`` in their parameters' placements (TP alone may give others).
+        """
         names = [name for name, _ in model.named_parameters()]
         self.assertEqual(names, [name for name, _ in reference.named_parameters()])
         for name, ref in reference.named_parameters():
@@ -292,10 +296,10 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             grad = param.grad
             if grad is not None:  # the layout of TP alone
                 self.assertEqual(type(grad), type(param.data), msg=name)
-                if isinstance(grad, DTensor):
+                if reduced and isinstance(grad, DTensor):
                     self.assertEqual(grad.placements, param.placements, msg=name)
-            expected = ref.grad
-            self.assertEqual(None if grad is None else full(grad), expected, msg=msg)
+            expected = full(ref.grad)
+            self.assertEqual(full(grad), expected, msg=f"{msg} {name}")
 
     def check_parity(self, wrap="ddp", steps=3, comm_hook=None, setup=None, **options):
         """
@@ -613,19 +617,6 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             for _ in range(2)
         ]
 
-    def assert_grads_equal(self, model, tp_alone, msg="", reduced=True):
-        """
-        The gradients of TP alone; those DDP reduced in their parameters'
-        placements (TP alone may give other placements).
-        """
-        expected = dict(tp_alone.named_parameters())
-        for name, param in model.named_parameters():
-            grad = param.grad
-            if reduced and isinstance(grad, DTensor):
-                self.assertEqual(grad.placements, param.placements, msg=name)
-            ref = expected[name].grad
-            self.assertEqual(full(grad), full(ref), msg=f"{msg} {name}")
-
     def assert_replicated_over_tp(self, model, msg=""):
         """Every Replicate or plain parameter is the same on every TP rank."""
         local = [
@@ -663,7 +654,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             loss(ddp, self.tokens(step)).backward()
             loss(tp_alone, self.tokens(step, global_batch=True)).backward()
             if step == 0:
-                self.assert_grads_equal(model, tp_alone, msg=msg)
+                self.assert_grads_match(model, tp_alone, msg=msg)
             norms = [clip_grad_norm_(m.parameters(), 0.5) for m in (model, tp_alone)]
             self.assertEqual(full(norms[0]), full(norms[1]), msg=msg)
             for o in (optim, ref_optim):
@@ -770,7 +761,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             with ddp.no_sync() if micro < 2 else contextlib.nullcontext():
                 lm_loss(ddp, self.tokens(micro)).backward()
             lm_loss(tp_alone, self.tokens(micro, global_batch=True)).backward()
-        self.assert_grads_equal(model, tp_alone)
+        self.assert_grads_match(model, tp_alone)
 
     def test_transformer_compile(self):
         """torch.compile(DDP(TP Transformer)) trains as TP alone, in one graph."""
@@ -797,7 +788,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         copies = copy.deepcopy(model), copy.deepcopy(tp_alone)
         for m in copies:
             lm_loss(m, self.tokens(3, global_batch=True)).backward()
-        self.assert_grads_equal(*copies, reduced=False)
+        self.assert_grads_match(*copies, reduced=False)
         grads = []
         for m in (model, tp_alone):
             params = {
