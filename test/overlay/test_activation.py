@@ -60,6 +60,7 @@ class ActivationTest(unittest.TestCase):
             import torch.distributed.tensor.parallel.ddp  # noqa: F401
             import torch._dynamo.backends.distributed  # noqa: F401
             import torch.distributed._composable.replicate  # noqa: F401
+            import torch.distributed.algorithms._optimizer_overlap.optimizer_overlap  # noqa: F401
             import torch.distributed.checkpoint.state_dict  # noqa: F401
             before, modules, meta_path = references(), {n: sys.modules[n] for n in NAMES}, list(sys.meta_path)
 

@@ -6,6 +6,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 from torch.distributed._composable_state import _State
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .contract import _get_registry, contract
@@ -111,6 +112,13 @@ class _ReplicateState(_State):
             kwargs.pop("device_id")
 
         self._ddp = DistributedDataParallel(self._param_list, **kwargs)
+        # DDP checks the list it wraps; a DTensor parameter is replaced in its
+        # module (e.g. by load_state_dict(assign=True)).
+        self._dtensor_params: list[tuple[nn.Module, str, DTensor]] = [
+            (*_owner(module, name), param)
+            for name, param in zip(self._param_names, self._param_list)
+            if isinstance(param, DTensor)
+        ]
         # Weakref to the DDP instance is currently only used for testing.
         replicate.state(self.module)._ddp_weakref = weakref.ref(self._ddp)
 
@@ -128,6 +136,13 @@ class _ReplicateState(_State):
     ) -> Any:
         if self._init_args or self._init_kwargs:
             self.lazy_init()
+        for owner, name, param in self._dtensor_params:
+            if owner._parameters.get(name) is not param:
+                raise RuntimeError(
+                    f"replicate(): the DTensor parameter {name} of "
+                    f"{type(owner).__name__} was replaced after wrapping (e.g. by "
+                    "load_state_dict(assign=True)): do that before replicate()."
+                )
         self._ddp.require_backward_grad_sync = not self._no_sync
         DistributedDataParallel._active_ddp_module = self._ddp
         return self._ddp._pre_forward(*args, **kwargs)
@@ -140,6 +155,11 @@ class _ReplicateState(_State):
     ) -> torch.Tensor:
         DistributedDataParallel._active_ddp_module = None
         return self._ddp._post_forward(output)
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return module.get_submodule(prefix), leaf
 
 
 def unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:

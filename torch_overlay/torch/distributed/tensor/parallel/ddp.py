@@ -71,9 +71,12 @@ def _localize_dtensor(
 def _pre_dp_module_transform(module: nn.Module):
     """
     Enable the composability between Tensor Parallelism (TP) and Data
-    Parallelism(DP) in PyTorch when using DDP. ``DistributedDataParallel`` now
-    keeps the DTensor parameters and reduces the gradients of their local tensors
-    itself, so this is a no-op, kept for backward compatibility.
+    Parallelism(DP) in PyTorch when using DDP. We need to convert Parameters which
+    are DTensors to local tensors before wrapping with data parallelism API.
+    We then register two hooks, one for converting local tensors back to DTensor
+    preforward and one to convert DTensors back to tensors after Forward. By
+    integrating this way, we avoid any special handling of DTensor parameters by DDP
+    and get DTensor's gradients propagated back to DP, e.g. gradient buckets of DDP.
 
     For now, this API only works with ``DistributedDataParallel``. It will later support
     other DP methods such as FSDP.
@@ -95,3 +98,8 @@ def _pre_dp_module_transform(module: nn.Module):
         >>> m = DDP(m)
         >>>
     """
+
+    _localize_dtensor(module, None, None)
+    # TODO: To add test cases and ensure that it works for nested modules
+    module.register_forward_pre_hook(_reconstruct_dtensor)
+    module.register_forward_hook(_localize_dtensor)

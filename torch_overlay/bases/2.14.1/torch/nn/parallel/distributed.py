@@ -381,18 +381,43 @@ def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
-def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param) -> None:
+@dataclass
+class _DTensorParam:
+    """A DTensor parameter of the module, and what DDP keeps for it."""
+
+    module: Module
+    name: str
+    param: Any
+    local_tensor: torch.Tensor  # the reducer's alias of the parameter's
+    index: int  # in the reducer
+    grad_acc: Any = None  # its gradient accumulator, kept alive for the hook
+    handle: Optional["RemovableHandle"] = None
+
+
+def _reducible_grad(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad``; a DTensor one redistributed to its parameter's placements."""
+    grad, placements = param.grad, getattr(param, "placements", None)
+    if placements is not None and grad.placements != placements:
+        # NOTE: e.g. a Replicate gradient of a Shard(0) embedding, a Partial one
+        # of a SequenceParallel norm: redistribute it first, as FSDP2 does (one
+        # all-reduce over TP, where TP alone's optimizer would do one per op).
+        param.grad = grad = grad.redistribute(placements=placements)
+    return grad
+
+
+def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param, *unused) -> None:
     """Hand the reducer the local tensor of a DTensor parameter's gradient."""
     ddp = ddp_weakref()
     if ddp is None:
         return
-    grad = param.grad
-    if grad.placements != param.placements:
-        # NOTE: e.g. a Replicate gradient of a Shard(0) embedding, a Partial one
-        # of a SequenceParallel norm: redistribute it first, as FSDP2 does (one
-        # all-reduce over TP, where TP alone's optimizer would do one per op).
-        param.grad = grad = grad.redistribute(placements=param.placements)
-    grad = grad.to_local()  # grad mode is off in backward: no new tensor
+    if param.grad is None:  # e.g. a hook of the user's set it to None
+        if ddp.find_unused_parameters:
+            local_tensor.grad = None  # unused here, as the reducer sees it
+            ddp.reducer._autograd_hook(index)  # type: ignore[attr-defined]
+            return
+        # The reducer averages zeros for it, as for a plain parameter.
+        param.grad = torch.zeros_like(param)
+    grad = _reducible_grad(param).to_local()  # grad mode is off: no new tensor
     if local_tensor.grad is not grad:
         local_tensor.grad = grad
     ddp.reducer._autograd_hook(index)  # type: ignore[attr-defined]
@@ -401,9 +426,14 @@ def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param) -> None:
         param.grad = _as_dtensor(local_tensor.grad, param)
 
 
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()
+def _grad_acc(param: torch.Tensor):
+    return torch.autograd.graph.get_gradient_edge(param).node
+
+
+def _remove_hooks(dtensor_params) -> None:
+    for entry in dtensor_params:
+        if entry.handle is not None:
+            entry.handle.remove()
 
 
 def _as_dtensor(tensor: torch.Tensor, param) -> torch.Tensor:
@@ -1212,9 +1242,10 @@ class DistributedDataParallel(Module, Joinable):
                 for hook, state in self._comm_hooks:
                     hook(state, (param.grad, param))
             else:
-                gradient = param.grad / self.process_group.size()
+                grad = _local_tensor(_reducible_grad(param))
+                gradient = grad / self.process_group.size()
                 gradient = fcol.all_reduce(gradient, "sum", self.process_group)
-                param.grad.copy_(gradient)
+                grad.copy_(gradient)
 
         for index, param in enumerate(self._module_parameters):
             if not param.requires_grad:
@@ -1292,6 +1323,13 @@ class DistributedDataParallel(Module, Joinable):
         # the former excludes ignored (non-DDP managed) parameters.
         if any(hasattr(p, "_in_backward_optimizers") for p in self._module_parameters):
             torch._C._log_api_usage_once("ddp.optimizer_in_backward")
+            if self._dtensor_params:
+                self._log_and_throw(
+                    NotImplementedError,
+                    "DistributedDataParallel does not support "
+                    "_apply_optimizer_in_backward with DTensor parameters: use "
+                    "_register_fused_optim, or step the optimizer after backward.",
+                )
             # Remove hooks that apply_optim_in_backward had registered because
             # DDP customizes how optimizer is overlapped with backward due to
             # the allreduce.
@@ -1423,10 +1461,8 @@ class DistributedDataParallel(Module, Joinable):
     # averages it in place (with gradient_as_bucket_view, in the bucket view).
     def _register_dtensor_params(self, parameters):
         """Return the tensors for the reducer: the local tensors of DTensor parameters."""
-        for handle in getattr(self, "_dtensor_hooks", []):  # a rebuilt reducer
-            handle.remove()
-        self._dtensor_hooks: list[RemovableHandle] = []
-        self._dtensor_params: list[tuple[Module, str, Any, torch.Tensor]] = []
+        _remove_hooks(getattr(self, "_dtensor_params", []))  # a rebuilt reducer
+        self._dtensor_params: list[_DTensorParam] = []
         local_tensors = [_local_tensor(param) for param in parameters]
         owners = {
             param: (module, name)
@@ -1443,20 +1479,32 @@ class DistributedDataParallel(Module, Joinable):
                     "DTensor parameters: use torch.autocast instead.",
                 )
             # The reducer's leaf, an alias of the local tensor (forward uses param).
-            local_tensor = _local_tensor(param.detach()).requires_grad_()
-            local_tensors[index] = local_tensor
-            self._dtensor_params.append((*owners[param], param, local_tensor))
-            hook = functools.partial(
-                _reduce_dtensor_grad, weakref.ref(self), index, local_tensor
-            )
-            self._dtensor_hooks.append(param.register_post_accumulate_grad_hook(hook))
-        if self._dtensor_hooks:  # removed with DDP
-            weakref.finalize(self, _remove_hooks, self._dtensor_hooks)
+            alias = _local_tensor(param.detach()).requires_grad_()
+            local_tensors[index] = alias
+            entry = _DTensorParam(*owners[param], param, alias, index)
+            if not self._use_python_reducer:  # whose hooks reduce DTensors
+                self._hook_dtensor_param(entry)
+            self._dtensor_params.append(entry)
+        if self._dtensor_params:  # hooks removed with DDP
+            weakref.finalize(self, _remove_hooks, self._dtensor_params)
         return local_tensors
+
+    def _hook_dtensor_param(self, entry: _DTensorParam) -> None:
+        # As for mixed precision: a hook on the parameter's gradient accumulator.
+        hook = functools.partial(
+            _reduce_dtensor_grad,
+            weakref.ref(self),
+            entry.index,
+            entry.local_tensor,
+            entry.param,
+        )
+        entry.grad_acc = _grad_acc(entry.param)
+        entry.handle = entry.grad_acc.register_hook(hook)
 
     def _sync_dtensor_grads(self) -> None:
         """Give each local tensor the local gradient of its DTensor parameter."""
-        for module, name, param, local_tensor in self._dtensor_params:
+        for entry in self._dtensor_params:
+            module, name, param = entry.module, entry.name, entry.param
             if module._parameters.get(name) is not param:
                 self._log_and_throw(
                     RuntimeError,
@@ -1464,8 +1512,25 @@ class DistributedDataParallel(Module, Joinable):
                     f"{type(module).__name__} was replaced after wrapping (e.g. by "
                     "load_state_dict(assign=True)): do that before wrapping the module.",
                 )
+            hooked = entry.handle is not None and param.requires_grad
+            if hooked and entry.grad_acc is not _grad_acc(param):
+                self._rehook_dtensor_param(entry)
             grad = param.grad
-            local_tensor.grad = None if grad is None else _local_tensor(grad)
+            entry.local_tensor.grad = None if grad is None else _local_tensor(grad)
+
+    def _rehook_dtensor_param(self, entry: _DTensorParam) -> None:
+        # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
+        # .float() after wrapping) gave the parameter a new tensor, with a new
+        # gradient accumulator. One that views the reducer's alias trains on.
+        if not _local_tensor(entry.param).is_set_to(entry.local_tensor):
+            self._log_and_throw(
+                RuntimeError,
+                f"DistributedDataParallel: the DTensor parameter {entry.name} of "
+                f"{type(entry.module).__name__} was moved or cast after wrapping: "
+                "move or cast the module before wrapping it.",
+            )
+        entry.handle.remove()
+        self._hook_dtensor_param(entry)
 
     def _queue_dtensor_grad_views(self) -> None:
         # NOTE: Runs after every node of the backward, so after the reducer
@@ -1476,8 +1541,8 @@ class DistributedDataParallel(Module, Joinable):
 
     def _dtensor_grad_views(self) -> None:
         """Make the gradient of each DTensor parameter a DTensor of its local tensor's."""
-        for _, _, param, local_tensor in self._dtensor_params:
-            grad = local_tensor.grad
+        for entry in self._dtensor_params:
+            param, grad = entry.param, entry.local_tensor.grad
             if grad is not None and (
                 param.grad is None or _local_tensor(param.grad) is not grad
             ):
@@ -1489,7 +1554,7 @@ class DistributedDataParallel(Module, Joinable):
         depend on: the reducer finds the parameters the forward used by their
         gradient accumulators, which the local tensors' never are.
         """
-        local_tensors = {p: t for _, _, p, t in self._dtensor_params}
+        local_tensors = {e.param: e.local_tensor for e in self._dtensor_params}
         reached = []
         seen = set()
         queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
@@ -1555,6 +1620,7 @@ class DistributedDataParallel(Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
         )
 
+        parameters = self._register_dtensor_params(parameters)
         (
             bucket_indices,
             per_bucket_size_limits,
@@ -1563,8 +1629,6 @@ class DistributedDataParallel(Module, Joinable):
             bucket_size_limits,
             expect_sparse_gradient,
         )
-
-        parameters = self._register_dtensor_params(parameters)
 
         # Remember index for parameters if we are in mixed precision, as we
         # need to pass in index to Reducer's autograd hook via python.
@@ -1629,7 +1693,7 @@ class DistributedDataParallel(Module, Joinable):
         del attrs["process_group"]
         del attrs["reducer"]
         del attrs["logger"]
-        attrs.pop("_dtensor_hooks", None)  # registered again with the reducer
+        attrs.pop("_dtensor_params", None)  # registered again with the reducer
         # broadcast_buffers is a property; include it for backward compat.
         attrs["broadcast_buffers"] = self.forward_sync_buffers
         return attrs
@@ -2496,6 +2560,10 @@ class DistributedDataParallel(Module, Joinable):
         # import as optimizer_overlap module needs to import DistributedDataParallel.
         from torch.distributed.algorithms._optimizer_overlap import _as_overlapped_optim
 
+        if optim_params is not None and self._dtensor_params:
+            # The buckets hold the local tensors of DTensor parameters.
+            local = {e.param: e.local_tensor for e in self._dtensor_params}
+            optim_params = [local.get(p, p) for p in optim_params]
         overlapped_optim = _as_overlapped_optim(optim, optim_params, *args, **kwargs)
         try:
             overlapped_optim.register_ddp(self)
