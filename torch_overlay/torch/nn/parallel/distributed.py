@@ -391,6 +391,7 @@ class _DTensorParam:
     local_tensor: torch.Tensor  # the reducer's alias of the parameter's
     index: int  # in the reducer
     grad_acc: Any = None  # its gradient accumulator, kept alive for the hook
+    cdata: int = 0  # the parameter's TensorImpl then, also kept alive by it
     handle: Optional["RemovableHandle"] = None
 
 
@@ -424,10 +425,6 @@ def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param, *unused) -> No
     if local_tensor.grad is not grad:
         # gradient_as_bucket_view: the reducer made it a view of its bucket.
         param.grad = _as_dtensor(local_tensor.grad, param)
-
-
-def _grad_acc(param: torch.Tensor):
-    return torch.autograd.graph.get_gradient_edge(param).node
 
 
 def _remove_hooks(dtensor_params) -> None:
@@ -1510,11 +1507,12 @@ class DistributedDataParallel(Module, Joinable):
             entry.local_tensor,
             entry.param,
         )
-        entry.grad_acc = _grad_acc(entry.param)
+        entry.grad_acc = torch.autograd.graph.get_gradient_edge(entry.param).node
+        entry.cdata = entry.param._cdata
         entry.handle = entry.grad_acc.register_hook(hook)
 
-    def _sync_dtensor_grads(self) -> None:
-        """Give each local tensor the local gradient of its DTensor parameter."""
+    def _check_dtensor_params(self) -> None:
+        """Raise for a DTensor parameter replaced after wrapping; hook a swapped one."""
         for entry in self._dtensor_params:
             module, name, param = entry.module, entry.name, entry.param
             if module._parameters.get(name) is not param:
@@ -1525,14 +1523,18 @@ class DistributedDataParallel(Module, Joinable):
                     "load_state_dict(assign=True)): do that before wrapping the module.",
                 )
             hooked = entry.handle is not None and param.requires_grad
-            if hooked and entry.grad_acc is not _grad_acc(param):
+            if hooked and param._cdata != entry.cdata:
                 self._rehook_dtensor_param(entry)
-            grad = param.grad
+
+    def _sync_dtensor_grads(self) -> None:
+        """Give each local tensor the local gradient of its DTensor parameter."""
+        for entry in self._dtensor_params:
+            grad = entry.param.grad
             entry.local_tensor.grad = None if grad is None else _local_tensor(grad)
 
     def _rehook_dtensor_param(self, entry: _DTensorParam) -> None:
         # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
-        # .float() after wrapping) gave the parameter a new tensor, with a new
+        # .float() after wrapping) gave the parameter a new TensorImpl, with a new
         # gradient accumulator. One that views the reducer's alias trains on.
         if not _local_tensor(entry.param).is_set_to(entry.local_tensor):
             self._log_and_throw(
@@ -1994,8 +1996,7 @@ class DistributedDataParallel(Module, Joinable):
             )
 
         if self._dtensor_params:
-            # Also drops a local gradient that zero_grad() dropped.
-            self._sync_dtensor_grads()
+            self._check_dtensor_params()
 
         # Calling _rebuild_buckets before forward computation,
         # It may allocate new buckets before deallocating old buckets
