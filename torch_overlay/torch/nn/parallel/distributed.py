@@ -1547,8 +1547,8 @@ class DistributedDataParallel(Module, Joinable):
         self._hook_dtensor_param(entry)
 
     def _queue_dtensor_grad_views(self) -> None:
-        # NOTE: Runs after every node of the backward, so after the reducer
-        # queued its finalization, which may give unused parameters gradients.
+        # NOTE: final callbacks run in the order queued: queued from one, this runs
+        # after the reducer's finalization (guarded by test_find_unused_parameters).
         Variable._execution_engine.queue_callback(  # type: ignore[call-arg,misc]
             self._dtensor_grad_views
         )
