@@ -248,6 +248,37 @@ class ActivationTest(unittest.TestCase):
             },
         )
 
+    def test_a_ddp_class_captured_before_activation_still_wraps_a_tp_model(self):
+        """A stock DistributedDataParallel kept from before activate() (a framework's registry) calls the served
+        tensor/parallel/ddp.py's _pre_dp_module_transform for a sub-mesh: it still localizes, as stock."""
+        report = run_scenario(
+            """
+            import os, socket
+            import torch, torch.distributed as dist, torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel
+            registry = {"ddp": DistributedDataParallel}
+            torch_overlay.activate()
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+            model = parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh["tp"], {"0": ColwiseParallel()})
+            ddp = registry["ddp"](model, device_mesh=mesh["dp"])
+            ddp(torch.ones(2, 4)).sum().backward()
+            print(json.dumps({
+                "stock_class": registry["ddp"] is not torch.nn.parallel.DistributedDataParallel,
+                "trained": all(p.grad is not None for p in model.parameters()),
+            }))
+            dist.destroy_process_group()
+            """
+        )
+        self.assertEqual(report, {"stock_class": True, "trained": True})
+
     def test_a_subclass_of_ddp_outside_torch_refuses_and_changes_nothing(self):
         """A user's subclass would keep the class it was defined on: activate() after it, and deactivate() after
         one defined while active, refuse in one line naming the fix, having changed nothing."""
