@@ -537,7 +537,10 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         """.to() and .float() after wrapping (no-ops) swap DTensor parameters."""
 
         def move(m, step):
-            m.to(self.device_type) if step == 0 else m.float()
+            if step == 0:
+                m.to(self.device_type)
+            else:
+                m.float()
 
         for wrap in ("ddp", "replicate"):
             self.check_parity(wrap, setup=move)
