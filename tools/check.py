@@ -6,7 +6,8 @@ package's torch requirement does not cover exactly the manifest's bases, or, for
 pristine files, or gives anything but the overlay: the payload itself where the base's file is the payload's
 base file, else our change transplanted onto the base's file (a clean 3-way merge), without the backports
 the base does not need; and where a patch gives its version of a file as a snapshot, when its prefix of the
-series does not give exactly that snapshot (a snapshot is refused for a file that differs between bases).
+series does not give exactly that snapshot (on a base whose file differs, the snapshot merged onto it, as the
+payload is).
 A new module (no release ships it) must be created by the patch that claims it, as the overlay has it.
 It also fails when a module's ``code_sha256`` (the manifest's claim that every base the payload serves has
 the same code, comments aside) is not the code digest of each such base's pristine file, and when a per-base
@@ -80,22 +81,20 @@ def expected_files(project: Project, found: Pristine, base: Base, needed: list[P
         if content == payload_base[path]:
             expected[path] = state[path]
             continue
-        snapshotted = [p.name for p in needed if path in p.snapshots]
-        if snapshotted:
-            raise PatchError(
-                f"{path}: torch {base.version}'s file differs from torch {manifest.payload_base.version}'s, but "
-                f"{', '.join(snapshotted)} gives its version as a snapshot, which serves one base file only.\n"
-                "Claim that patch's blocks in series.toml instead of a snapshot (README, 'Patches')"
-            )
-        labels = (f"overlay/{path}", f"torch-{manifest.payload_base.version}/{path}", f"torch-{base.version}/{path}")
-        conflicts, merged = _git.merge_file(state[path], payload_base[path], content, labels)
-        if conflicts:
-            raise PatchError(
-                f"{path}: our change does not merge cleanly onto torch {base.version}'s file ({conflicts} "
-                "conflicting hunks); the one payload cannot serve this base (README, 'Add a torch release')"
-            )
-        expected[path] = merged
+        expected[path] = transplanted(state[path], payload_base[path], content, path, base, manifest)
     return expected
+
+
+def transplanted(ours: bytes, payload_base: bytes, content: bytes, path: str, base: Base, manifest) -> bytes:
+    """``ours`` (a version of ``path`` over the payload base's file) merged onto ``base``'s own file."""
+    labels = (f"overlay/{path}", f"torch-{manifest.payload_base.version}/{path}", f"torch-{base.version}/{path}")
+    conflicts, merged = _git.merge_file(ours, payload_base, content, labels)
+    if conflicts:
+        raise PatchError(
+            f"{path}: our change does not merge cleanly onto torch {base.version}'s file ({conflicts} "
+            "conflicting hunks); the one payload cannot serve this base (README, 'Add a torch release')"
+        )
+    return merged
 
 
 def base_problems(project: Project, found: Pristine, base: Base) -> list[str]:
@@ -115,7 +114,7 @@ def base_problems(project: Project, found: Pristine, base: Base) -> list[str]:
         tree = apply_series(files, patch_files, [f"--exclude={path}" for path in edited])
     except PatchApplyError as e:
         return [f"{where}: patches/{e.patch.name}: does not apply in order onto the pristine files: {e.stderr}"]
-    problems = snapshot_problems(project, files, patch_files, needed, edited, where)
+    problems = snapshot_problems(project, found, base, patch_files, needed, edited)
     for path, content in expected.items():
         if tree.get(path) != content:
             problems.append(f"{where}: {path}: the applied series differs from the overlay file torch_overlay/{path}")
@@ -131,16 +130,19 @@ def base_problems(project: Project, found: Pristine, base: Base) -> list[str]:
 
 def snapshot_problems(
     project: Project,
-    files: dict[str, bytes],
+    found: Pristine,
+    base: Base,
     patch_files: list[Path],
     needed: list[Patch],
     edited: list[str],
-    where: str,
 ) -> list[str]:
-    """Where patches 1..k, applied in order, do not give patch k's snapshot of a file exactly (empty if they do).
+    """Where patches 1..k, applied in order, do not give patch k's snapshot of a file exactly (empty if they do):
+    on a base whose file differs from the payload base's, the snapshot merged onto it, as the payload is.
 
     A snapshot is patch k's version by definition; this checks that ``patches/`` carries it.
     """
+    where, manifest = f"torch {base.version}", project.manifest()
+    files, payload_base = found.files(base), found.files(manifest.payload_base)
     problems = []
     for k, patch in enumerate(needed):
         if not patch.snapshots:
@@ -150,7 +152,14 @@ def snapshot_problems(
         except PatchApplyError as e:
             return [f"{where}: patches/{e.patch.name}: does not apply in order onto the pristine files: {e.stderr}"]
         for path in patch.snapshots:
-            if tree.get(path) != snapshot_file(project.series_toml, patch, path).read_bytes():
+            expected = snapshot_file(project.series_toml, patch, path).read_bytes()
+            if files[path] != payload_base[path]:
+                try:
+                    expected = transplanted(expected, payload_base[path], files[path], path, base, manifest)
+                except PatchError as e:
+                    problems.append(f"{where}: {patch.name}'s snapshot: {e}")
+                    continue
+            if tree.get(path) != expected:
                 snapshot = snapshot_file(project.series_toml, patch, path).relative_to(project.root)
                 problems.append(f"{where}: {patch_files[k].name} does not give its snapshot {snapshot}")
     return problems

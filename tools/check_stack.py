@@ -6,8 +6,9 @@ base's backports, see :func:`prefixes`) are applied with ``git apply`` onto the 
 scratch copy of this project, whose payload (``torch_overlay/torch/...``) is that prefix's files, then serves
 them in fresh interpreters, through the same start-up hook the test suite uses (``test/overlay/boot``), so
 the spawned ranks get them too. Each runtime module the prefix touches is imported from it, the other
-touched files are compiled, and the test files of every patch applied (their ``tests`` in series.toml) run
-with pytest: a later patch must not break an earlier one's tests. ``--import-only`` runs no tests;
+touched files are compiled, and the test files of every patch applied (their ``tests`` in series.toml, and
+the upstream test files they edit, as the prefix leaves them) run with pytest: a later patch must not break
+an earlier one's tests. ``--import-only`` runs no tests;
 ``--test-last`` (CI) runs them at the last prefix only, which costs one run of every test instead of one per
 prefix that has it.
 
@@ -249,23 +250,41 @@ def prefixes(project: Project, base: Base, pristine_files: dict[str, bytes]) -> 
 
 def prefix_tests(prefix: Prefix, root: Path | None = None) -> list[str]:
     """The test files a prefix runs: those of every patch it applies, in order, with the upstream test files
-    they edit that ``root`` (the project) holds rewritten.
+    they edit that ``root`` (the project) holds rewritten (as the prefix leaves them: :func:`upstream_tests`).
 
     NOTE: every applied patch's, not only patch k's: a patch that undoes an earlier one's change fails the
-    earlier one's tests at the prefix that lands it, even where a later patch would restore the change. A
-    rewritten upstream test file holds the edits of every patch that edits it, so it runs from the prefix of
-    the last of them on.
+    earlier one's tests at the prefix that lands it, even where a later patch would restore the change.
     """
     files = [t for e in prefix.applied for t in e.patch.tests]
     if root is not None:
-        applied = {e.patch.name for e in prefix.applied}
-        files += [
-            t
-            for e in prefix.applied
-            for t in e.patch.upstream_test_edits
-            if (root / t).is_file() and set(prefix.editors.get(t, ())) <= applied
-        ]
+        files += [t for e in prefix.applied for t in e.patch.upstream_test_edits if (root / t).is_file()]
     return list(dict.fromkeys(t for t in files if Path(t).name.startswith("test_")))
+
+
+def upstream_tests(project: Project, prefix: Prefix) -> dict[str, bytes]:
+    """Each upstream test file this repository holds rewritten (the whole series' version) that a patch of the
+    prefix edits, as the prefix leaves it: the diffs of the later patches that edit it, reversed, last first."""
+    applied = {e.patch.name for e in prefix.applied}
+    out = {}
+    for path, editors in prefix.editors.items():
+        rewritten = project.repo_file(path)
+        if not rewritten.is_file() or not applied & set(editors):
+            continue
+        later = [name for name in editors if name not in applied]
+        diffs = [project.upstream_edit_file(path, name if len(editors) > 1 else None) for name in later]
+        out[path] = apply_series({path: rewritten.read_bytes()}, reversed(diffs), ["-R"])[path]
+    return out
+
+
+def prefix_red_list(red_list: str, rewritten: dict[str, bytes]) -> str:
+    """The suite's red list without the tests that a prefix's version of an upstream test file lacks (a later
+    patch adds them), which the suite would take for renamed or removed."""
+
+    def kept(line: str) -> bool:
+        path, _, test = line.partition(" ")[0].partition("::")
+        return path not in rewritten or f"def {test.rpartition('::')[2]}(".encode() in rewritten[path]
+
+    return "".join(line for line in red_list.splitlines(keepends=True) if line.startswith("#") or kept(line))
 
 
 def check_prefix(
@@ -294,6 +313,15 @@ def check_prefix(
         if proc.returncode != 0:
             imported = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     result = PrefixResult(prefix, None, imported, modules)
+    try:
+        rewritten = upstream_tests(project, prefix)
+    except PatchApplyError as e:
+        return PrefixResult(prefix, f"{e.patch.name} does not reverse: {e.stderr}")
+    for path, content in rewritten.items():
+        (scratch / path).write_bytes(content)
+    red_list = Path("test", "overlay", "red_on_stock.txt")
+    if (project.root / red_list).is_file():
+        (scratch / red_list).write_text(prefix_red_list((project.root / red_list).read_text(), rewritten))
     tests = prefix_tests(prefix, scratch)
     if import_only or imported is not None or not tests:
         return result

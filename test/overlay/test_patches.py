@@ -515,7 +515,8 @@ a patch undoes another's change:
             generate(self.project, self.found)
 
     def test_snapshot_of_a_file_that_differs_between_bases(self) -> None:
-        """alpha.py differs between 9.8.0 and 9.9.0: a snapshot, one file, cannot serve both."""
+        """alpha.py differs between 9.8.0 and 9.9.0: fix-alpha's snapshot (a line that extend then changes) is
+        9.9.0's file; on 9.8.0 the prefix must give it merged onto 9.8.0's own file, as the payload is."""
         toml = self.project.series_toml
         text = toml.read_text().replace('claims = [{ file = "torch/fake/alpha.py", match = "fixed" }]\n', "", 1)
         toml.write_text(
@@ -525,11 +526,23 @@ a patch undoes another's change:
                 1,
             )
         )
-        self.snapshot("fix-alpha", "torch/fake/alpha.py", ALPHA.replace("line 3\n", "line 3 fixed\n"))
-        self.regenerate()
+        first_step = ALPHA.replace("line 3\n", "line 3 first\n")
+        snapshot = self.snapshot("fix-alpha", "torch/fake/alpha.py", first_step)
+        self.name_in_summary("extend", "It finishes the line that patch 1 started.")
+        files = self.regenerate()
+        self.assertIn("-line 3 first\n+line 3 fixed\n", files["0002-extend.patch"].decode())
+        self.assertEqual(self.check(), [])
+        tree = self.tmp / "tree"
+        subprocess.run(["git", "init", "-q", str(tree)], check=True)
+        write_files(tree, OLD_BASE)
+        subprocess.run(["git", "apply", str(self.project.patches_dir / "0001-fix-alpha.patch")], cwd=tree, check=True)
+        old_first_step = first_step.replace("line 20\n", "line 20 old\n")
+        self.assertEqual((tree / "torch/fake/alpha.py").read_text(), old_first_step)
+        # A snapshot that does not merge onto the older base's file is named
+        snapshot.write_text(first_step.replace("line 20\n", "line 20 new\n"))
         self.assertIn(
-            "torch 9.8.0: torch/fake/alpha.py: torch 9.8.0's file differs from torch 9.9.0's, but fix-alpha gives "
-            "its version as a snapshot, which serves one base file only.",
+            "torch 9.8.0: fix-alpha's snapshot: torch/fake/alpha.py: our change does not merge cleanly onto torch "
+            "9.8.0's file (1 conflicting hunks)",
             "\n".join(self.check()),
         )
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from unittest import mock
 
 import expecttest
-from _patch_project import BASE, GAMMA, add_new_module, make_project
+from _patch_project import BASE, GAMMA, SHARED_MID, SHARED_NEW, add_new_module, make_project, share_upstream_edit
 
 from tools.check_stack import (
     Prefix,
@@ -20,6 +20,7 @@ from tools.check_stack import (
     check_prefix,
     check_stack,
     failure_lines,
+    prefix_red_list,
     prefix_tests,
     prefixes,
     rule_violations,
@@ -27,6 +28,7 @@ from tools.check_stack import (
     serve,
     stack,
     stack_table,
+    upstream_tests,
 )
 from tools.patches import commit_message, generate, write
 from tools.pristine import pristine
@@ -270,9 +272,28 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
         found = list(prefixes(self.project, base, self.found.files(base)))
         one, two, three = ("test/fake/test_one.py", "test/fake/test_two.py", "test/fake/test_three.py")
         self.assertEqual([prefix_tests(p) for p in found], [[one], [one, two, three], [one, two, three]])
-        # An upstream test file the project holds rewritten runs once every patch that edits it is applied.
+        # An upstream test file the project holds rewritten runs from the first patch that edits it on.
         upstream = "test/fake/test_upstream.py"
         self.assertEqual([upstream in prefix_tests(p, self.project.root) for p in found], [False, True, True])
+
+    def test_a_prefix_runs_an_upstream_test_file_as_it_leaves_it(self) -> None:
+        """Both patches edit test_upstream.py: patch 1's prefix runs the file as patch 1's diff leaves it (the
+        rewritten file with patch 2's diff reversed), not the whole series' version, nor none."""
+        share_upstream_edit(self.project, self.tmp)
+        write(self.project, generate(self.project, self.found))
+        base = self.project.manifest().base("9.8.0")
+        found = list(prefixes(self.project, base, self.found.files(base)))
+        upstream = "test/fake/test_upstream.py"
+        self.assertEqual([upstream in prefix_tests(p, self.project.root) for p in found], [True, True, True])
+        versions = [upstream_tests(self.project, p) for p in found]
+        self.assertEqual(versions, [{upstream: SHARED_MID.encode()}] + [{upstream: SHARED_NEW.encode()}] * 2)
+
+    def test_a_prefix_red_list_leaves_out_the_tests_a_later_patch_adds(self) -> None:
+        red = "# comment\ntest/a.py::T::test_one one\ntest/a.py::T::test_two two\ntest/b.py::test_three three\n"
+        rewritten = {"test/a.py": b"class T:\n    def test_one(self):\n        pass\n"}
+        self.assertEqual(
+            prefix_red_list(red, rewritten), "# comment\ntest/a.py::T::test_one one\ntest/b.py::test_three three\n"
+        )
 
     def test_test_last_runs_the_tests_at_the_last_prefix_only(self) -> None:
         base = self.project.manifest().base("9.8.0")
