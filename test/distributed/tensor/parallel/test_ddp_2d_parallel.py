@@ -175,6 +175,9 @@ class TPModel(nn.Module):
         return self.head(x) + 0.01 * extra
 
 
+WRAPS = ("ddp", "replicate")  # DDP(device_mesh=...) and replicate(device_mesh=...)
+
+
 TP_PLAN = {
     f"blocks.{i}.{name}": style
     for i in range(2)
@@ -336,7 +339,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_tp_params_stay_registered(self):
         """The module keeps its DTensor parameters: forward uses them as TP alone."""
-        for wrap in ("ddp", "replicate"):
+        for wrap in WRAPS:
             _, model = self.build()
             before = dict(model.named_parameters())
             ddp = self.wrap(model, wrap)
@@ -437,7 +440,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             unused = {1} if step == 3 or self.mesh["dp"].get_local_rank() else set()
             m.skipped = unused if step % 2 else set()
 
-        for wrap in ("ddp", "replicate"):
+        for wrap in WRAPS:
             for bucket_view in (False, True):
                 self.check_parity(
                     wrap,
@@ -453,7 +456,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_first_forward_without_grad(self):
         """A first forward under no_grad (evaluation) leaves training intact."""
-        for wrap in ("ddp", "replicate"):
+        for wrap in WRAPS:
             reference, model = self.build()
             params = list(model.parameters())
             ddp, ref_ddp = self.wrap(model, wrap), self.ref_ddp(reference)
@@ -475,7 +478,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_clip_grad_norm(self):
         """clip_grad_norm_ and get_total_norm over p.grad, as TP alone allows."""
-        for wrap, two_step in ((w, t) for w in ("ddp", "replicate") for t in (0, 1)):
+        for wrap, two_step in ((w, t) for w in WRAPS for t in (0, 1)):
             torch.manual_seed(0)
             reference = TPBlock().to(self.device_type)
             model = copy.deepcopy(reference)
@@ -525,7 +528,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         """load_state_dict(assign=True) after wrapping: one clear error."""
         _, other = self.build(seed=1)
         tp_sd = {k: v for k, v in other.state_dict().items() if k.startswith("b")}
-        for wrap in ("ddp", "replicate"):
+        for wrap in WRAPS:
             _, model = self.build()
             ddp = self.wrap(model, wrap)
             ddp(self.inputs(0)).sum().backward()  # replicate wraps here
@@ -542,12 +545,14 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             else:
                 m.float()
 
-        for wrap in ("ddp", "replicate"):
+        for wrap in WRAPS:
             self.check_parity(wrap, setup=move)
         _, model = self.build()
         ddp = self.wrap(model)
         model.double()
-        with self.assertRaisesRegex(RuntimeError, "move or cast the module before"):
+        with self.assertRaisesRegex(
+            RuntimeError, "replaced, moved or cast after wrapping"
+        ):
             ddp(self.inputs(0).double())
 
     def test_find_unused_output_left_out_of_loss(self):
@@ -804,7 +809,7 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         gradients of Shard(0) weights), a tied output, and sequence parallel
         norms (Partial gradients of Replicate weights) or plain ones.
         """
-        configs = itertools.product((False, True), ("ddp", "replicate"), (False, True))
+        configs = itertools.product((False, True), WRAPS, (False, True))
         for seq_parallel, wrap, bucket_view in configs:
             tp_alone, model = self.build_transformer(seq_parallel)
             self.check_tp_alone_parity(

@@ -399,9 +399,8 @@ def _reducible_grad(param: torch.Tensor) -> torch.Tensor:
     """``param.grad``; a DTensor one redistributed to its parameter's placements."""
     grad, placements = param.grad, getattr(param, "placements", None)
     if placements is not None and grad.placements != placements:
-        # NOTE: e.g. a Replicate gradient of a Shard(0) embedding, a Partial one
-        # of a SequenceParallel norm: redistribute it first, as FSDP2 does (one
-        # all-reduce over TP, where TP alone's optimizer would do one per op).
+        # NOTE: e.g. a Replicate gradient of a Shard(0) embedding, a Partial one of
+        # a SequenceParallel norm: redistribute it first, as FSDP2 does.
         param.grad = grad = grad.redistribute(placements=placements)
     return grad
 
@@ -411,13 +410,12 @@ def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param, *unused) -> No
     ddp = ddp_weakref()
     if ddp is None:
         return
-    if param.grad is None:  # e.g. a hook of the user's set it to None
+    if param.grad is None:  # e.g. a user's hook set it to None
         if ddp.find_unused_parameters:
             local_tensor.grad = None  # unused here, as the reducer sees it
             ddp.reducer._autograd_hook(index)  # type: ignore[attr-defined]
             return
-        # The reducer averages zeros for it, as for a plain parameter.
-        param.grad = torch.zeros_like(param)
+        param.grad = torch.zeros_like(param)  # averaged, as for a plain one
     grad = _reducible_grad(param).to_local()  # grad mode is off: no new tensor
     if local_tensor.grad is not grad:
         local_tensor.grad = grad
@@ -425,12 +423,6 @@ def _reduce_dtensor_grad(ddp_weakref, index, local_tensor, param, *unused) -> No
     if local_tensor.grad is not grad:
         # gradient_as_bucket_view: the reducer made it a view of its bucket.
         param.grad = _as_dtensor(local_tensor.grad, param)
-
-
-def _remove_hooks(dtensor_params) -> None:
-    for entry in dtensor_params:
-        if entry.handle is not None:
-            entry.handle.remove()
 
 
 def _as_dtensor(tensor: torch.Tensor, param) -> torch.Tensor:
@@ -1137,9 +1129,7 @@ class DistributedDataParallel(Module, Joinable):
         # All collectives during initialization are gated by this flag.
         if init_sync:
             # Verify model equivalence.
-            _verify_param_shape_across_processes(
-                self.process_group, [_local_tensor(p) for p in parameters]
-            )
+            _verify_param_shape_across_processes(self.process_group, parameters)
             # Sync params and buffers. Ensures all DDP models start off at the same value.
             self._sync_module_states(src=0, broadcast_buffers=init_sync_buffers)
 
@@ -1448,29 +1438,18 @@ class DistributedDataParallel(Module, Joinable):
 
     def _sync_module_states(self, src: int, broadcast_buffers: bool) -> None:
         """Broadcast the module's state from ``src``, DTensors by their local tensors."""
-        states = [
-            _local_tensor(param).detach()
-            for name, param in self.module.named_parameters()
-            if name not in self.parameters_to_ignore
-        ]
+        named = [*self.module.named_parameters()]
         if broadcast_buffers:
-            states += [
-                buffer.detach()
-                for name, buffer in self.module.named_buffers()
-                if name not in self.parameters_to_ignore
-            ]
-        _sync_params_and_buffers(
-            self.process_group, states, self.broadcast_bucket_size, src
-        )
+            named += self.module.named_buffers()
+        ignored, pg = self.parameters_to_ignore, self.process_group
+        states = [_local_tensor(t).detach() for n, t in named if n not in ignored]
+        _sync_params_and_buffers(pg, states, self.broadcast_bucket_size, src)
 
-    # NOTE [DTensor parameters]: the module keeps its DTensor parameters, whose
-    # gradients accumulate as with tensor parallelism alone. The reducer holds
-    # aliases of their local tensors: a post-accumulate grad hook on each hands
-    # over the gradient's local tensor and fires the reducer's hook, which
-    # averages it in place (with gradient_as_bucket_view, in the bucket view).
+    # NOTE [DTensor parameters]: the module keeps its DTensor parameters. The
+    # reducer holds aliases of their local tensors: a hook on each one's gradient
+    # accumulator hands over the local gradient and fires the reducer's hook.
     def _register_dtensor_params(self, parameters):
         """Return the tensors for the reducer: the local tensors of DTensor parameters."""
-        _remove_hooks(getattr(self, "_dtensor_params", []))  # a rebuilt reducer
         self._dtensor_params: list[_DTensorParam] = []
         local_tensors = [_local_tensor(param) for param in parameters]
         owners = {
@@ -1494,19 +1473,12 @@ class DistributedDataParallel(Module, Joinable):
             if not self._use_python_reducer:  # whose hooks reduce DTensors
                 self._hook_dtensor_param(entry)
             self._dtensor_params.append(entry)
-        if self._dtensor_params:  # hooks removed with DDP
-            weakref.finalize(self, _remove_hooks, self._dtensor_params)
         return local_tensors
 
     def _hook_dtensor_param(self, entry: _DTensorParam) -> None:
         # As for mixed precision: a hook on the parameter's gradient accumulator.
-        hook = functools.partial(
-            _reduce_dtensor_grad,
-            weakref.ref(self),
-            entry.index,
-            entry.local_tensor,
-            entry.param,
-        )
+        args = (weakref.ref(self), entry.index, entry.local_tensor, entry.param)
+        hook = functools.partial(_reduce_dtensor_grad, *args)
         entry.grad_acc = torch.autograd.graph.get_gradient_edge(entry.param).node
         entry.cdata = entry.param._cdata
         entry.handle = entry.grad_acc.register_hook(hook)
@@ -1515,36 +1487,28 @@ class DistributedDataParallel(Module, Joinable):
         """Raise for a DTensor parameter replaced after wrapping; hook a swapped one."""
         for entry in self._dtensor_params:
             module, name, param = entry.module, entry.name, entry.param
-            if module._parameters.get(name) is not param:
+            # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
+            # .float() after wrapping) gives a parameter a new TensorImpl and
+            # gradient accumulator; one that views the reducer's alias trains on.
+            swapped = entry.handle is not None and param._cdata != entry.cdata
+            if module._parameters.get(name) is not param or (
+                swapped and not _local_tensor(param).is_set_to(entry.local_tensor)
+            ):
                 self._log_and_throw(
                     RuntimeError,
                     f"DistributedDataParallel: the DTensor parameter {name} of "
-                    f"{type(module).__name__} was replaced after wrapping (e.g. by "
-                    "load_state_dict(assign=True)): do that before wrapping the module.",
+                    f"{type(module).__name__} was replaced, moved or cast after "
+                    "wrapping: do that before wrapping the module.",
                 )
-            hooked = entry.handle is not None and param.requires_grad
-            if hooked and param._cdata != entry.cdata:
-                self._rehook_dtensor_param(entry)
+            if swapped and param.requires_grad:
+                entry.handle.remove()
+                self._hook_dtensor_param(entry)
 
     def _sync_dtensor_grads(self) -> None:
         """Give each local tensor the local gradient of its DTensor parameter."""
         for entry in self._dtensor_params:
             grad = entry.param.grad
             entry.local_tensor.grad = None if grad is None else _local_tensor(grad)
-
-    def _rehook_dtensor_param(self, entry: _DTensorParam) -> None:
-        # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
-        # .float() after wrapping) gave the parameter a new TensorImpl, with a new
-        # gradient accumulator. One that views the reducer's alias trains on.
-        if not _local_tensor(entry.param).is_set_to(entry.local_tensor):
-            self._log_and_throw(
-                RuntimeError,
-                f"DistributedDataParallel: the DTensor parameter {entry.name} of "
-                f"{type(entry.module).__name__} was moved or cast after wrapping: "
-                "move or cast the module before wrapping it.",
-            )
-        entry.handle.remove()
-        self._hook_dtensor_param(entry)
 
     def _queue_dtensor_grad_views(self) -> None:
         # NOTE: final callbacks run in the order queued: queued from one, this runs
