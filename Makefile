@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 .PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
-	bench-unshard bench-clip apply-patches revert-patches ghstack rebase check-stack example quickstart
+	bench-unshard bench-clip bench-foreach apply-patches revert-patches ghstack rebase check-stack example quickstart
 
 install: $(VENV)/.installed
 
@@ -131,3 +131,6 @@ bench-tp-ddp: install
 # clip_grad_norm_ over FSDP2 + TP (two meshes) vs stock FSDP2 on one mesh vs a full_tensor() clip (4 ranks, CPU; ~1 min).
 bench-clip: install
 	$(PY) -m tools.bench_clip
+
+bench-foreach: install
+	$(PY) -m tools.bench_foreach

@@ -42,25 +42,27 @@ _foreach_supported_types = [torch.Tensor]
 #   original input tensorlists, changing up Nones/literals WILL NOT propagate, and manual propagation
 #   may be necessary. Check out torch/optim/sgd.py for an example.
 #
-# A traceable wrapper subclass such as DTensor takes a foreach call on the whole list and
-# refuses plain tensors ("got mixed torch.Tensor and DTensor"). Where a tensorlist mixes
+# A traceable wrapper subclass that takes foreach calls (it adds itself to
+# _foreach_supported_types, as DTensor does) takes a call on the whole list and refuses
+# plain tensors ("got mixed torch.Tensor and DTensor"). Where the first tensorlist mixes
 # such a subclass with other tensors, each group is split by the wrapper subclass that
 # every tensorlist holds at an index. Other types (nn.Parameter and its subclasses) stay
-# with the plain tensors.
+# with the plain tensors. Without such a subclass, this is the C++ grouping alone.
 @no_grad()
 def _group_tensors_by_device_and_dtype(
     tensorlistlist: TensorListList,
     with_indices: bool = False,
 ) -> dict[tuple[torch.device, torch.dtype], tuple[TensorListList, Indices]]:
     grouped = torch._C._group_tensors_by_device_and_dtype(tensorlistlist, with_indices)
-    wrappers: set[type] = set()
-    mixed = False
-    for tensorlist in tensorlistlist:
-        types = set(map(type, tensorlist or ()))
-        found = set(filter(is_traceable_wrapper_subclass_type, types))
-        mixed |= bool(found) and (len(found) > 1 or bool(types - found - {type(None)}))
-        wrappers |= found
-    if not mixed:
+    if len(_foreach_supported_types) == 1:  # no subclass takes foreach calls
+        return grouped
+    # The first tensorlist decides: the parameters, whose gradients and states are
+    # tensors of their own type.
+    types = set(map(type, tensorlistlist[0]))
+    wrappers = types.intersection(
+        filter(is_traceable_wrapper_subclass_type, _foreach_supported_types)
+    )
+    if not wrappers or len(types) == 1:
         return grouped
     split: dict[tuple[torch.device, torch.dtype], tuple[TensorListList, Indices]] = {}
     for key, (tensorlists, indices) in grouped.items():
