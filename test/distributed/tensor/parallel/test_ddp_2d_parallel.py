@@ -127,6 +127,38 @@ class Test2dParallelIntegration(DTensorTestBase):
 
         # TODO: Add save/load of 2D verification.
 
+    @with_comms
+    def test_2d_ddp_frozen_tp_param(self) -> None:
+        """A TP weight with requires_grad=False (a LoRA base weight) stays frozen."""
+        mesh = init_device_mesh(
+            self.device_type,
+            (self.world_size // TP_DEGREE, TP_DEGREE),
+            mesh_dim_names=("dp", "tp"),
+        )
+        model = MLPModule(self.device_type)
+        parallelize_module(
+            model, mesh["tp"], {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+        )
+        model.net1.weight.requires_grad_(False)
+        frozen = model.net1.weight.to_local().clone()
+        ddp = DDP(model, device_mesh=mesh["dp"])
+        params = dict(model.named_parameters())
+        self.assertEqual(
+            {name: p.requires_grad for name, p in params.items()},
+            {name: name != "net1.weight" for name in params},
+            "frozen TP parameter made trainable",
+        )
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(mesh["dp"].get_local_rank())
+        for _ in range(2):
+            ddp(torch.randn(4, 10, device=self.device_type)).sum().backward()
+            optim.step()
+        weight = params["net1.weight"]
+        self.assertIsNone(weight.grad)
+        if isinstance(weight, DTensor):  # DDP keeps TP parameters as DTensors
+            weight = weight.to_local()
+        self.assertEqual(weight, frozen, atol=0, rtol=0)
+
 
 DIM = 8
 
