@@ -1,11 +1,14 @@
 """Run in a fresh interpreter by the machinery tests: report, as one JSON line, what this process sees.
 
-Usage: python probe.py [--activate] [--spawn]
+Usage: python probe.py [--activate] [--spawn] [--out DIR]
   --activate  call torch_overlay.activate() after importing torch.distributed.fsdp
   --spawn     also report what a multiprocessing ``spawn`` child sees
+  --out DIR   also write the report to DIR/rank-$RANK.json (torchrun ranks share one stdout, where their lines
+              can run together)
 """
 
 import json
+import os
 import sys
 import warnings
 from types import SimpleNamespace
@@ -58,6 +61,10 @@ def main(argv: list[str]) -> None:
         report["spawned_child"] = queue.get(timeout=120)
         child.join()
     print(json.dumps(report))
+    if "--out" in argv:
+        out = os.path.join(argv[argv.index("--out") + 1], f"rank-{os.environ.get('RANK', '0')}.json")
+        with open(out, "w") as f:
+            json.dump(report, f)
 
 
 if __name__ == "__main__":

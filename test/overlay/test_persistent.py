@@ -50,10 +50,13 @@ class PersistentHookTest(TestCase):
         ddp_file = load_manifest().payload_file(ddp, check_base().matched)
         for process in ("here", "spawned_child"):
             self.assertEqual((report[process]["ddp_file"], report[process]["ddp_subclass_on_it"]), (ddp_file, True))
+        out = self.root / "ranks"
+        out.mkdir()
         torchrun = run(
             [self.venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(PROBE)]
+            + ["--out", str(out)]
         )
-        ranks = [json.loads(line) for line in torchrun.stdout.splitlines() if line.startswith("{")]
+        ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank-*.json"))]
         self.assertEqual([r["here"]["warning_fixed"] for r in ranks], [True, True], torchrun.stdout + torchrun.stderr)
         off = probe(self.venv.python, env=clean_env(TORCH_OVERLAY="0"))
         self.assertTrue(off["here"]["warning_stock"], off)
