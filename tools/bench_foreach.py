@@ -9,7 +9,7 @@ files under private names, so both run in the same process on the same tensors, 
   ``torch.optim.optimizer`` calling one grouping or the other;
 - all of it first with no subclass that takes foreach calls (``torch.distributed.tensor`` not imported: the overlay's
   grouping is then the C++ grouping after one length check), then again with DTensor registered (imported), where
-  the overlay looks at the type of every tensor;
+  the overlay looks at the type of every tensor of the first list;
 - the overlay's grouping on the same lists where half the tensors are DTensors (a one-rank mesh): the split path,
   which stock cannot run (its foreach call fails).
 

@@ -38,7 +38,7 @@ from tools.pristine import BaseSourceError, Pristine, pristine
 from tools.project import Project, default_project, torch_requirement
 from tools.series import Patch, SeriesError, file_states, load_series, load_snapshots, series_for, snapshot_file
 from torch_overlay import _git
-from torch_overlay._manifest import Base, code_sha256
+from torch_overlay._manifest import Base, Manifest, code_sha256
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
 
 
@@ -85,7 +85,7 @@ def expected_files(project: Project, found: Pristine, base: Base, needed: list[P
     return expected
 
 
-def transplanted(ours: bytes, payload_base: bytes, content: bytes, path: str, base: Base, manifest) -> bytes:
+def transplanted(ours: bytes, payload_base: bytes, content: bytes, path: str, base: Base, manifest: Manifest) -> bytes:
     """``ours`` (a version of ``path`` over the payload base's file) merged onto ``base``'s own file."""
     labels = (f"overlay/{path}", f"torch-{manifest.payload_base.version}/{path}", f"torch-{base.version}/{path}")
     conflicts, merged = _git.merge_file(ours, payload_base, content, labels)

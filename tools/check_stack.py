@@ -271,14 +271,17 @@ def upstream_tests(project: Project, prefix: Prefix) -> dict[str, bytes]:
         if not rewritten.is_file() or not applied & set(editors):
             continue
         later = [name for name in editors if name not in applied]
+        if not later:  # every patch that edits it is applied: the rewritten file
+            out[path] = rewritten.read_bytes()
+            continue
         diffs = [project.upstream_edit_file(path, name if len(editors) > 1 else None) for name in later]
         out[path] = apply_series({path: rewritten.read_bytes()}, reversed(diffs), ["-R"])[path]
     return out
 
 
 def prefix_red_list(red_list: str, rewritten: dict[str, bytes]) -> str:
-    """The suite's red list without the tests that a prefix's version of an upstream test file lacks (a later
-    patch adds them), which the suite would take for renamed or removed."""
+    """The suite's red list without the tests that a prefix's earlier version of an upstream test file lacks (a
+    later patch adds them), which the suite would take for renamed or removed."""
 
     def kept(line: str) -> bool:
         path, _, test = line.partition(" ")[0].partition("::")
@@ -313,6 +316,9 @@ def check_prefix(
         if proc.returncode != 0:
             imported = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     result = PrefixResult(prefix, None, imported, modules)
+    tests = prefix_tests(prefix, scratch)
+    if import_only or imported is not None or not tests:
+        return result
     try:
         rewritten = upstream_tests(project, prefix)
     except PatchApplyError as e:
@@ -321,10 +327,8 @@ def check_prefix(
         (scratch / path).write_bytes(content)
     red_list = Path("test", "overlay", "red_on_stock.txt")
     if (project.root / red_list).is_file():
-        (scratch / red_list).write_text(prefix_red_list((project.root / red_list).read_text(), rewritten))
-    tests = prefix_tests(prefix, scratch)
-    if import_only or imported is not None or not tests:
-        return result
+        earlier = {p: c for p, c in rewritten.items() if c != project.repo_file(p).read_bytes()}
+        (scratch / red_list).write_text(prefix_red_list((project.root / red_list).read_text(), earlier))
     start = time.monotonic()
     proc = subprocess.run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],

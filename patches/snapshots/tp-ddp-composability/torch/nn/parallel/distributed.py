@@ -1482,7 +1482,7 @@ class DistributedDataParallel(Module, Joinable):
         entry.handle = entry.grad_acc.register_hook(hook)
 
     def _check_dtensor_params(self) -> None:
-        """Raise for a DTensor parameter replaced after wrapping; hook a swapped one."""
+        """Raise if a DTensor parameter changed after wrapping; hook a swapped one."""
         for entry in self._dtensor_params:
             module, name, param = entry.module, entry.name, entry.param
             # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
