@@ -30,6 +30,7 @@ class OverlayFinder:
         assert guard_on_first_use == (base is None), "a finder serves a checked base, or checks at first use"
         self._manifest = load_manifest()
         self._names = frozenset(m.name for m in self._manifest.runtime_modules)
+        self._keep_classes = frozenset(m.name for m in self._manifest.runtime_modules if m.keep_classes)
         self._files = self._manifest.overlay_files(base) if base is not None else {}
         self._guard_pending = guard_on_first_use
         self._guard_lock = threading.Lock()
@@ -87,7 +88,7 @@ class OverlayFinder:
             return registering_spec(fullname, path)
         if fullname not in self._names or self.verify() is not None:
             return None
-        return overlay_spec(fullname, self._files[fullname])
+        return overlay_spec(fullname, self._files[fullname], onto_stock=fullname in self._keep_classes)
 
 
 def first_use_check() -> tuple[str | None, str | None, Base | None]:
@@ -104,10 +105,20 @@ def first_use_check() -> tuple[str | None, str | None, Base | None]:
     return "; ".join(check.problems()), None, None
 
 
-def overlay_spec(name: str, overlay_file: str) -> ModuleSpec | None:
-    import importlib.util  # here, not at start-up: it pulls in contextlib, functools, collections
+def overlay_spec(name: str, overlay_file: str, onto_stock: bool = False) -> ModuleSpec | None:
+    """The spec of our file for module ``name``; with ``onto_stock`` (a module served with ``keep_classes``, first
+    imported while active), its loader executes torch's file first and ours onto its classes."""
+    import importlib.machinery  # here, not at start-up: importlib.util pulls in contextlib, functools, collections
+    import importlib.util
 
-    return importlib.util.spec_from_file_location(name, overlay_file)
+    class OntoStockLoader(importlib.machinery.SourceFileLoader):
+        def exec_module(self, module: types.ModuleType) -> None:
+            from torch_overlay._loader import exec_onto_stock
+
+            exec_onto_stock(module, super().exec_module)
+
+    loader = OntoStockLoader(name, overlay_file) if onto_stock else None
+    return importlib.util.spec_from_file_location(name, overlay_file, loader=loader)
 
 
 def installed_finder() -> OverlayFinder | None:

@@ -20,6 +20,12 @@ defined on. Torch's own subclasses (``torch.nn.parallel.DistributedDataParallelC
 manifest modules: their module is executed afresh, from torch's file, after the swap, so it subclasses the
 class now served. A subclass defined anywhere else (the user's) cannot be redefined: activation and
 deactivation then refuse, having changed nothing (:class:`SubclassedError`).
+
+A module served with ``keep_classes`` (a file whose classes other modules hold: FSDP's ``_flat_param.py``) keeps
+the stock class objects instead: the overlay file is executed onto them (:mod:`torch_overlay._graft`), so its
+classes are the stock ones with the overlay's class bodies, and deactivation restores their namespaces. A
+subclass, anyone's, then gets the change and needs nothing. First imported while active, such a module is
+executed from torch's file first, then from ours onto it, so that deactivation gives back the same classes.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ import sys
 import threading
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from importlib.machinery import ModuleSpec
 
-from torch_overlay import _dynamo_rules, _fork
+from torch_overlay import _dynamo_rules, _fork, _graft
 from torch_overlay._dynamo_rules import TRACE_RULES
 from torch_overlay._finder import OverlayFinder, installed_finder, overlay_spec
 from torch_overlay._guard import BaseMismatchError, require_base
@@ -69,6 +76,8 @@ class SubclassedError(RuntimeError):
 _lock = threading.RLock()
 _originals: dict[str, types.ModuleType] = {}
 """Stock module objects that were imported before activation, restored as they are on deactivation."""
+_grafts: dict[str, _graft.Graft] = {}
+"""For each module served with ``keep_classes``, what its overlay file changed in the stock classes."""
 
 
 def is_overlay_module(module: types.ModuleType, overlay: OverlayModule) -> bool:
@@ -86,9 +95,12 @@ def dependents(modules: list[types.ModuleType], manifest: Manifest, activating: 
     on, the one being swapped out.
     """
     names = {m.name for m in manifest.runtime_modules}
+    kept = {m.name for m in manifest.runtime_modules if m.keep_classes}
     found: dict[str, list[str]] = {}
     for module in modules:
         found[module.__name__] = owners = []
+        if module.__name__ in kept:  # its classes stay the stock ones: every subclass gets the change
+            continue
         classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
         seen: set[type] = set()
         while classes:
@@ -160,13 +172,15 @@ def activate(*, guard_on_first_use: bool = False) -> None:
         try:
             for current in stock:
                 name = current.__name__
-                replacement = _execute(name, overlay_spec(name, finder.file_for(name)))
+                replacement = _serve(current, overlay_spec(name, finder.file_for(name)), manifest)
                 _swap(name, current, replacement, manifest, keep)
                 done.append((name, current, replacement))
                 done += _reexecute(then[name], manifest, keep)
         except BaseException:
             for name, current, replacement in reversed(done):
                 _swap(name, replacement, current, manifest)
+            for name in list(_grafts):
+                _ungraft(name)
             sys.meta_path.remove(finder)
             raise
         _originals.update({name: current for name, current, _ in done})
@@ -203,6 +217,7 @@ def deactivate() -> None:
                 original = _originals.get(name) or _execute(name, _stock_spec(name))
                 _swap(name, current, original, manifest)
                 done.append((name, current, original))
+
                 done += _reexecute(then[name], manifest)
         except BaseException:
             for name, current in removed:
@@ -212,6 +227,8 @@ def deactivate() -> None:
             for name, current, original in reversed(done):
                 _swap(name, original, current, manifest)
             raise
+        for name in list(_grafts):  # the stock classes get their own namespaces back
+            _ungraft(name)
         sys.meta_path.remove(finder)
         _originals.clear()
         if TRACE_RULES in sys.modules:
@@ -235,6 +252,33 @@ def process_state() -> ProcessState:
         disabled = finder.disabled_reason if finder is not None else None
         checked = finder is not None and finder.base_checked
         return ProcessState(finder is not None and disabled is None, checked, disabled, tuple(modules))
+
+
+def _serve(stock: types.ModuleType, spec: ModuleSpec | None, manifest: Manifest) -> types.ModuleType:
+    """The overlay module for the stock module ``stock``, executed from ``spec`` (onto its classes, for a module
+    served with ``keep_classes``)."""
+    name = stock.__name__
+    if not any(m.name == name and m.keep_classes for m in manifest.runtime_modules):
+        return _execute(name, spec)
+    module = importlib.util.module_from_spec(spec)
+    _grafts[name] = _graft.execute_onto(stock, module, spec.loader.exec_module)
+    return module
+
+
+def exec_onto_stock(module: types.ModuleType, exec_module: Callable[[types.ModuleType], None]) -> None:
+    """Execute a module served with ``keep_classes`` that is first imported while active (the finder's loader):
+    torch's file first, kept as the original for deactivation, then ours into ``module``, onto its classes."""
+    with _lock:
+        name = module.__name__
+        stock = _execute(name, _stock_spec(name))
+        _grafts[name] = _graft.execute_onto(stock, module, exec_module)
+        _originals[name] = stock
+
+
+def _ungraft(name: str) -> None:
+    graft = _grafts.pop(name, None)
+    if graft is not None:
+        graft.undo()
 
 
 def _stock_spec(name: str) -> ModuleSpec | None:

@@ -25,7 +25,7 @@ BASES_DIR = "bases"
 class OverlayModule:
     """One upstream module that the overlay replaces as a whole file, or a new module it adds."""
 
-    __slots__ = ("name", "path", "runtime", "code_sha256", "new", "base_payloads")
+    __slots__ = ("name", "path", "runtime", "code_sha256", "new", "base_payloads", "keep_classes")
 
     def __init__(
         self,
@@ -35,6 +35,7 @@ class OverlayModule:
         code_sha256: str | None = None,
         new: bool = False,
         base_payloads: tuple[str, ...] = (),
+        keep_classes: bool = False,
     ) -> None:
         self.name = name
         """Dotted module name, e.g. ``torch.distributed.fsdp._unshard_param_utils``."""
@@ -60,6 +61,10 @@ class OverlayModule:
         has its own payload, our change transplanted onto its file (``tools.transplant``), at
         :meth:`base_payload_file`. One per distinct upstream file, named by the oldest base that ships it; every
         base with that file is served it."""
+        self.keep_classes = keep_classes
+        """Served with the stock module's classes: for a file whose classes or enums other modules hold (in dicts,
+        ``isinstance`` checks, defaults), such as FSDP's ``_flat_param.py``. Each class the stock module defines
+        stays the stock object, with the overlay's class body installed on it (see :mod:`torch_overlay._graft`)."""
 
     def __repr__(self) -> str:
         return f"OverlayModule({self.name!r}, runtime={self.runtime}{', new=True' if self.new else ''})"
@@ -188,6 +193,7 @@ def _read(path: str) -> Manifest:
                 m.get("code_sha256"),
                 m.get("new", False),
                 tuple(m.get("base_payloads", ())),
+                m.get("keep_classes", False),
             )
             for m in raw["modules"]
         )
