@@ -189,6 +189,7 @@ class ActivationTest(unittest.TestCase):
                 "same_fsdp_class": True,
                 "served": [
                     "torch.distributed._composable.replicate",  # imported by torch.distributed.fsdp
+                    "torch.distributed.fsdp._flat_param",
                     "torch.distributed.fsdp._unshard_param_utils",
                     "torch.distributed.tensor.parallel._data_parallel_utils",
                     "torch.nn.parallel.distributed",  # imported by torch
@@ -197,6 +198,92 @@ class ActivationTest(unittest.TestCase):
                 ],
             },
         )
+
+    def test_a_file_whose_classes_others_hold_keeps_them(self):
+        """``_flat_param.py`` (``keep_classes``): served after import, its classes stay the stock objects, with
+        our methods (a subclass defined before activation gets them too), and deactivation restores their
+        namespaces exactly; ``_init_utils``'s table of its enum members keeps working."""
+        report = run_scenario(
+            """
+            import torch
+            from torch.distributed.fsdp import ShardingStrategy
+            import torch.distributed.fsdp._flat_param as flat_param
+            import torch.distributed.fsdp._init_utils as init_utils
+            module = flat_param
+            classes = {k: v for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__}
+            namespaces = {k: dict(vars(v)) for k, v in classes.items()}
+            stock_unshard_grad = flat_param.FlatParamHandle.unshard_grad
+
+            class UserHandle(flat_param.FlatParamHandle):  # a subclass outside torch
+                pass
+
+            def state():
+                served = sys.modules[module.__name__]
+                return {
+                    "served": is_ours(served.FlatParamHandle.unshard_grad),
+                    "subclass_served": is_ours(UserHandle.unshard_grad),
+                    "same_classes": all(getattr(served, k) is v for k, v in classes.items()),
+                    "table": init_utils.SHARDING_STRATEGY_MAP[ShardingStrategy.NO_SHARD]
+                    is served.HandleShardingStrategy.NO_SHARD,
+                }
+
+            torch_overlay.activate()
+            active = state()
+            torch_overlay.deactivate()
+            after = state()
+            after["namespaces_restored"] = all(
+                dict(vars(classes[k])).keys() == ns.keys() and all(vars(classes[k])[a] is v for a, v in ns.items())
+                for k, ns in namespaces.items()
+            )
+            after["stock_method"] = flat_param.FlatParamHandle.unshard_grad is stock_unshard_grad
+            print(json.dumps({"active": active, "after": after}))
+            """
+        )
+        self.assertEqual(
+            report["active"], {"served": True, "subclass_served": True, "same_classes": True, "table": True}
+        )
+        self.assertEqual(
+            report["after"],
+            {
+                "served": False,
+                "subclass_served": False,
+                "same_classes": True,
+                "table": True,
+                "namespaces_restored": True,
+                "stock_method": True,
+            },
+        )
+
+    def test_a_file_whose_classes_others_hold_first_imported_while_active(self):
+        """Imported first while active, ``_flat_param.py`` is executed from torch's file, then from ours onto
+        its classes: deactivation and activation again keep the same class objects."""
+        report = run_scenario(
+            """
+            torch_overlay.activate()
+            import torch
+            from torch.distributed.fsdp import ShardingStrategy
+            import torch.distributed.fsdp._flat_param as flat_param
+            import torch.distributed.fsdp._init_utils as init_utils
+            name, handle = flat_param.__name__, flat_param.FlatParamHandle
+
+            def state():
+                served = sys.modules[name]
+                return [
+                    served.FlatParamHandle is handle,
+                    is_ours(handle.unshard_grad),
+                    init_utils.SHARDING_STRATEGY_MAP[ShardingStrategy.NO_SHARD]
+                    is served.HandleShardingStrategy.NO_SHARD,
+                ]
+
+            report = [state()]
+            torch_overlay.deactivate()
+            report.append(state())
+            torch_overlay.activate()
+            report.append(state())
+            print(json.dumps(report))
+            """
+        )
+        self.assertEqual(report, [[True, True, True], [True, False, True], [True, True, True]])
 
     def test_ddp_after_import_is_served_with_torch_subclass_and_restored(self):
         """DDP's class is served anew: torch's own subclass (DistributedDataParallelCPU) is defined again on it,

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import (
 from torch.testing._internal.common_utils import run_tests, TEST_WITH_DEV_DBG_ASAN
 
 from common_fsdp_unshard import batch, BodyError, FSDPUnshardTest, reference_model
+from test_fsdp_unshard_grad_dtype import check_zeros_in_param_dtype
 
 if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
@@ -261,34 +262,14 @@ class TestUnshardOffloadAndGrads(FSDPUnshardTest):
 
     def test_with_grads_zeros_in_param_dtype(self):
         """
-        A rank without a gradient sends zeros in the parameter's dtype (bfloat16
-        here), not in float32: else the ranks' all-gathers would not match.
+        With flat parameters too, a rank without a gradient sends zeros in the
+        parameter's dtype.
         """
         self.run_subtests(
-            {
-                "sharding_strategy": STRATEGIES[:2],
-                "use_orig_params": [False, True],
-            },
-            self._test_with_grads_zeros_in_param_dtype,
+            {"sharding_strategy": STRATEGIES[:2], "use_orig_params": [False]},
+            check_zeros_in_param_dtype,
+            self,
         )
-
-    def _test_with_grads_zeros_in_param_dtype(self, **kwargs):
-        model = self._wrap(reference_model().to(torch.bfloat16), **kwargs)
-        model(batch().to(self.device, torch.bfloat16)).sum().backward()
-        handles = [m._handle for m in FSDP.fsdp_modules(model)]
-        shards = [h.flat_param.grad.clone() for h in handles]
-        if self.rank == 1:
-            model.zero_grad(set_to_none=True)
-        with FSDP.summon_full_params(model, with_grads=True):
-            for p in model.parameters():
-                self.assertEqual(p.grad.dtype, torch.bfloat16)
-            for handle, shard in zip(handles, shards, strict=True):
-                grad, n = handle.flat_param.grad, shard.numel()
-                self.assertEqual(grad.dtype, torch.bfloat16)
-                self.assertEqual(grad[n:], torch.zeros_like(grad[n:]))
-                if self.rank == 0:
-                    self.assertEqual(grad[:n], shard, atol=0, rtol=0)
-        self._check_idle_and_resharded(model)
 
     def test_with_grads_other_dtype_raises(self):
         """
