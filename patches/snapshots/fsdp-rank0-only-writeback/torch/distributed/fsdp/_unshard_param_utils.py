@@ -23,6 +23,7 @@ from torch.distributed.fsdp._runtime_utils import (
     _reshard,
     _reshard_grads,
     _unshard,
+    _unshard_grads,
 )
 from torch.distributed.utils import _p_assert
 
@@ -228,23 +229,20 @@ def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
                 _register_flat_param(state, module)
 
 
-def _agree_on_grads(handle: FlatParamHandle, groups) -> bool:
+def _check_grad_dtypes(handle: FlatParamHandle) -> None:
     """
-    Returns whether any rank has a gradient, in one all-reduce over ``groups``.
-    A rank without one sends zeros in the parameter's dtype, so all ranks raise
-    if one has a gradient in another dtype: their collectives would not match.
-    Then the handle is idle again: nothing else changed.
+    Raises on every rank, in one all-reduce, if a rank has a gradient in another
+    dtype than the parameter: a rank without one sends zeros in the parameter's
+    dtype (``unshard_grad()``), so the ranks' collectives would not match. Then
+    the handle is idle again: nothing else changed.
     """
     grad, dtype = handle.flat_param.grad, handle.flat_param._local_shard.dtype
-    flags = [grad is not None, grad is not None and grad.dtype != dtype]
-    any_flags = torch.tensor(flags, dtype=torch.int32, device=handle.device)
-    for group in groups:  # for hybrid sharding, within the replica, then across
-        dist.all_reduce(any_flags, op=dist.ReduceOp.MAX, group=group)
-    any_grad, other_dtype = any_flags.tolist()
-    if other_dtype:
+    other = grad is not None and grad.dtype != dtype
+    other_dtype = torch.tensor([other], dtype=torch.int32, device=handle.device)
+    dist.all_reduce(other_dtype, op=dist.ReduceOp.MAX, group=handle.process_group)
+    if other_dtype.item():
         handle._training_state = HandleTrainingState.IDLE
         raise _other_dtype_error(dtype)
-    return bool(any_grad)
 
 
 def _other_dtype_error(dtype: torch.dtype) -> NotImplementedError:
@@ -252,31 +250,6 @@ def _other_dtype_error(dtype: torch.dtype) -> NotImplementedError:
         f"with_grads=True needs every rank's gradient in {dtype}: use "
         "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
     )
-
-
-@torch.no_grad()
-def _unshard_grads_for_summon(handle: FlatParamHandle, any_grad: bool) -> None:
-    """
-    ``FlatParamHandle.unshard_grad()`` once the ranks agreed whether any has a
-    gradient (``_agree_on_grads()``). Without ``use_orig_params``, the original
-    parameters get their gradients from ``_unsharded_grad_views()`` once
-    registered: before, they are views that refuse a gradient once the flat
-    parameter changed in place (an optimizer step).
-    """
-    flat_param = handle.flat_param
-    if handle.uses_sharded_strategy:
-        flat_param._saved_grad_shard = flat_param.grad
-    if any_grad and handle.uses_sharded_strategy:
-        grad = flat_param.grad
-        if grad is None:  # as `unshard_grad()` does, in the parameter's dtype
-            grad = torch.zeros_like(flat_param._local_shard)
-        grad = grad.to(handle.device)
-        padded = grad.new_empty(flat_param._padded_unsharded_size)
-        dist.all_gather_single(padded, grad, group=handle.process_group)
-        size = flat_param._unpadded_unsharded_size
-        flat_param.grad = padded[: size.numel()].view(size)
-    if handle._use_orig_params:
-        handle._use_unsharded_grad_views()
 
 
 @contextlib.contextmanager
@@ -403,15 +376,15 @@ def _unshard_fsdp_state_params(
 
     _reset_flat_param_grad_info_if_needed(handle)
     # Before the parameters move: if it raises, it does on every rank
-    sharded_grads = with_grads and handle.uses_sharded_strategy
-    any_grad = sharded_grads and _agree_on_grads(handle, (handle.process_group,))
+    if with_grads and handle.uses_sharded_strategy:
+        _check_grad_dtypes(handle)
     free_unsharded_flat_param = handle.needs_unshard()
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
     computation_stream = state._device_handle.current_stream()
     _unshard(state, handle, computation_stream, computation_stream)
     if with_grads:
-        _unshard_grads_for_summon(handle, any_grad)
+        _unshard_grads(handle)
 
     if rank0_only and state.rank != 0:
         # Free the unsharded flattened parameter early

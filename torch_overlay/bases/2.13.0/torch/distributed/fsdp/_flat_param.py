@@ -1559,9 +1559,14 @@ class FlatParamHandle:
 
         Postcondition: ``_saved_grad_shard`` is defined and contains the value
         to set ``flat_param.grad`` after gradients are resharded.
+
+        Without ``use_orig_params``, the original parameters are views into the
+        flat parameter that refuse a gradient once it changed in place (an
+        optimizer step), so their gradients are left to the caller.
         """
         if not self.uses_sharded_strategy:
-            self._use_unsharded_grad_views()
+            if self._use_orig_params:
+                self._use_unsharded_grad_views()
             return
         flat_param = self.flat_param
         self._check_unsharded(flat_param)
@@ -1572,7 +1577,8 @@ class FlatParamHandle:
         dist.all_reduce(num_grad_none, group=self.process_group)
         if num_grad_none[0] == self.world_size:
             flat_param._saved_grad_shard = None  # type: ignore[assignment]
-            self._use_unsharded_grad_views()
+            if self._use_orig_params:
+                self._use_unsharded_grad_views()
             return
 
         if flat_param.grad is None:
@@ -1595,7 +1601,8 @@ class FlatParamHandle:
         else:
             self._check_sharded(flat_param.grad)
             flat_param._saved_grad_shard = flat_param.grad  # type: ignore[attr-defined]
-            sharded_grad = flat_param._saved_grad_shard  # type: ignore[attr-defined]
+            # On CPU with `CPUOffload(offload_params=True)`
+            sharded_grad = flat_param._saved_grad_shard.to(self.device)  # type: ignore[attr-defined]
         padded_unsharded_grad = torch.empty(
             flat_param._padded_unsharded_size,  # type: ignore[attr-defined]
             device=self.device,
@@ -1606,7 +1613,8 @@ class FlatParamHandle:
         flat_param.grad = padded_unsharded_grad[: unsharded_size.numel()].view(
             unsharded_size
         )
-        self._use_unsharded_grad_views()
+        if self._use_orig_params:
+            self._use_unsharded_grad_views()
 
     def reshard_grad(self):
         if self._use_orig_params:
