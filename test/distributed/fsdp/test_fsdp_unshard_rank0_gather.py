@@ -19,7 +19,6 @@ from test_fsdp_unshard_rank0_writeback import (
     _Rank0WritebackTest,
     _summon_rank0,
     BOTH,
-    FAILED_ELSEWHERE,
     FULL,
     GRAD_OP,
     HYBRID,
@@ -67,35 +66,6 @@ class _Rank0GatherTest(_Rank0WritebackTest):
             self.assertGreaterEqual(largest, full * itemsize)
         else:
             self.assertLessEqual(largest, shard, f"rank {self.rank} (full: {full})")
-
-    def _test_rank0_allocation_fails(self, with_grads, fail_at, **kwargs):
-        """
-        Rank 0 fails to allocate a unit's unsharded parameter (out of memory), the
-        first unit's or the second's: every rank raises before that unit's gather,
-        with nothing changed and FSDP idle again.
-        """
-        model, reference = self._models(with_grads, **kwargs)
-        alloc, calls = FlatParamHandle._alloc_padded_unsharded_flat_param, []
-
-        def failing_alloc(handle):
-            calls.append(handle)
-            if len(calls) == fail_at + 1:
-                raise torch.OutOfMemoryError("rank 0 is out of memory")
-            return alloc(handle)
-
-        name = "_alloc_padded_unsharded_flat_param"
-        fails = mock.patch.object(FlatParamHandle, name, failing_alloc)
-        if self.rank == 0:
-            raises = self.assertRaisesRegex(torch.OutOfMemoryError, "out of memory")
-        else:
-            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
-        with fails if self.rank == 0 else contextlib.nullcontext(), raises:
-            with _summon_rank0(model, with_grads=with_grads):
-                if self.rank == 0:
-                    _edit(list(model.parameters()), with_grads)
-        self._check_idle_and_resharded(model)
-        self._check_full(model, reference, with_grads)
-        self._check_writeback(model, reference, with_grads)
 
     def _test_collectives(self, fail, with_grads: bool) -> None:
         """
@@ -153,10 +123,6 @@ class TestUnshardRank0Gather(_Rank0GatherTest):
     def test_rank0_writeback_other_ranks_allocate_at_most_a_shard(self):
         config = {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH}
         self.run_subtests(config, self._test_allocate_at_most_a_shard, with_grads=False)
-
-    def test_rank0_writeback_rank0_allocation_fails(self):
-        config = {"sharding_strategy": [FULL, GRAD_OP], "fail_at": [0, 1]}
-        self.run_subtests(config, self._test_rank0_allocation_fails, with_grads=False)
 
     def test_rank0_writeback_failure_in_collectives(self):
         """

@@ -233,6 +233,36 @@ class _Rank0WritebackTest(FSDPUnshardTest):
     def _test_failure_at(self, failure, **kwargs):
         self._test_failure(*failure, **kwargs, use_orig_params=False)
 
+    def _test_rank0_allocation_fails(self, with_grads, fail_at, **kwargs):
+        """
+        Rank 0 fails to allocate a unit's unsharded parameter (out of memory), the
+        first unit's or the second's: every rank raises before that unit's gather,
+        with nothing changed and FSDP idle again.
+        """
+        model, reference = self._models(with_grads, **kwargs)
+        alloc, calls = FlatParamHandle._alloc_padded_unsharded_flat_param, []
+
+        def failing_alloc(handle):
+            if handle not in calls:  # a unit's first allocation
+                calls.append(handle)
+                if len(calls) == fail_at + 1:
+                    raise torch.OutOfMemoryError("rank 0 is out of memory")
+            return alloc(handle)
+
+        name = "_alloc_padded_unsharded_flat_param"
+        fails = mock.patch.object(FlatParamHandle, name, failing_alloc)
+        if self.rank == 0:
+            raises = self.assertRaisesRegex(torch.OutOfMemoryError, "out of memory")
+        else:
+            raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        with fails if self.rank == 0 else contextlib.nullcontext(), raises:
+            with _summon_rank0(model, with_grads=with_grads):
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+        self._check_idle_and_resharded(model)
+        self._check_full(model, reference, with_grads)
+        self._check_writeback(model, reference, with_grads)
+
     def _test_padding_stays_zeros(self, with_grads, **kwargs):
         model, _ = self._models(backward=True, **kwargs)
         handles = [m._handle for m in FSDP.fsdp_modules(model)]
@@ -294,6 +324,10 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         """
         config = {"failure": self._failures(*self.points), "nested": BOTH}
         self.run_subtests(config, self._test_failure_at, with_grads=False)
+
+    def test_rank0_writeback_rank0_allocation_fails(self):
+        config = {"sharding_strategy": [FULL, GRAD_OP], "fail_at": [0, 1]}
+        self.run_subtests(config, self._test_rank0_allocation_fails, with_grads=False)
 
     def test_rank0_writeback_single_state(self):
         """``_unshard_fsdp_state_params()`` (state-dict paths) writes back one state."""

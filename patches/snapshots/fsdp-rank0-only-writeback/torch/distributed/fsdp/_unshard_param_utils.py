@@ -142,13 +142,25 @@ def _unshard_fsdp_state_params_from_rank0(
 ) -> Generator:
     """
     ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``. The
-    ranks agree whether one failed before each state unshards and once all exited
-    (without a ``call``, this one): a failed rank's exit meets the others' next.
+    ranks agree whether one failed before each state unshards (once each allocated
+    the unsharded parameter) and once all exited (without a ``call``, this one): a
+    failed rank's exit meets the others' next.
     """
     own_call, call = call is None, call or _Rank0Writeback()
     call.group, call.device = call.group or state.process_group, handle.device
     s, flat_param = _Rank0State(state, handle), handle.flat_param
-    call.agree()  # if a rank failed in an earlier state, every rank raises
+    try:
+        if handle.needs_unshard():  # what may fail, before the ranks agree
+            handle._alloc_padded_unsharded_flat_param()
+    except Exception:
+        call.ok = False
+        raise
+    finally:
+        try:
+            call.agree()  # if a rank failed, here or earlier, every rank raises
+        except RuntimeError:
+            _reshard(state, handle, s.sharded)  # frees what this rank allocated
+            raise
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
     body_succeeded = False
     try:
