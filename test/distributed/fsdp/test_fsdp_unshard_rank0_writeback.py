@@ -359,9 +359,7 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         with (
             mock.patch.multiple(handle, **fake_offload),
             mock.patch.multiple(dist, **no_collectives),
-            self.assertRaisesRegex(
-                NotImplementedError, r"CPUOffload\(offload_params=True\) on"
-            ),
+            self.assertRaisesRegex(NotImplementedError, "is not supported yet"),
             _summon_rank0(model),
         ):
             pass

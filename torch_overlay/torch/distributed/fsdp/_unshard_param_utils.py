@@ -481,7 +481,7 @@ def _validate_unshard_params_args(
 ) -> None:
     """
     Validates the options of ``summon_full_params()``. All combinations are
-    supported for every sharding strategy and ``use_orig_params``, except one
+    supported for every sharding strategy and ``use_orig_params``, except those
     below. With ``NO_SHARD``, changes persist regardless of ``writeback``.
     """
     if writeback and rank0_only:

@@ -430,18 +430,22 @@ def _validate_unshard_params_args(
 ) -> None:
     """
     Validates the options of ``summon_full_params()``. All combinations are
-    supported for every sharding strategy and ``use_orig_params``, except one
+    supported for every sharding strategy and ``use_orig_params``, except those
     below. With ``NO_SHARD``, changes persist regardless of ``writeback``.
     """
     if writeback and rank0_only:
         # Rank 0 would edit the device copy, and resharding restore the CPU one
         handle = state._handle
         offload = handle and handle._offload_params and handle.device.type != "cpu"
-        if with_grads or (offload and not handle.uses_sharded_strategy):
+        if offload and not handle.uses_sharded_strategy:
             raise NotImplementedError(
                 "writeback=True and rank0_only=True is not supported yet with "
-                "with_grads=True, nor with NO_SHARD and CPUOffload(offload_params="
-                "True) on an accelerator: use rank0_only=False"
+                "NO_SHARD and CPUOffload(offload_params=True) on an accelerator: "
+                "use rank0_only=False"
+            )
+        if with_grads:
+            raise NotImplementedError(
+                "writeback=True and rank0_only=True is not supported yet"
             )
     if offload_to_cpu and not rank0_only:
         warnings.warn(

@@ -319,7 +319,7 @@ def _validate_unshard_params_args(
 ) -> None:
     """
     Validates the options of ``summon_full_params()``. All combinations are
-    supported for every sharding strategy and ``use_orig_params``, except one
+    supported for every sharding strategy and ``use_orig_params``, except those
     below. With ``NO_SHARD``, changes persist regardless of ``writeback``.
     """
     if writeback and rank0_only:
@@ -328,9 +328,7 @@ def _validate_unshard_params_args(
         hybrid = state.sharding_strategy in HYBRID_SHARDING_STRATEGIES
         if with_grads or offload or hybrid:
             raise NotImplementedError(
-                "writeback=True and rank0_only=True is not supported yet with "
-                "with_grads=True, hybrid sharding, nor CPUOffload(offload_params="
-                "True) on an accelerator: use rank0_only=False"
+                "writeback=True and rank0_only=True is not supported yet"
             )
     if offload_to_cpu and not rank0_only:
         warnings.warn(
