@@ -28,7 +28,7 @@ from torch.distributed.fsdp._runtime_utils import (
 )
 from torch.distributed.utils import _p_assert
 
-from ._flat_param import FlatParamHandle
+from ._flat_param import _grad_dtype_error, FlatParamHandle
 
 
 FLAT_PARAM = "_flat_param"
@@ -76,26 +76,21 @@ def _writeback_to_local_shard(
 
 
 # NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
-# source is global rank 0: rank 0 of the state's process group and, for hybrid
-# sharding, of its replicate group. The ranks run the same collectives in the
-# same order, even when one fails. Each agreement is one all-reduce of the same
+# source is global rank 0. The ranks run the same collectives in the same
+# order, even when one fails. Each agreement is one all-reduce of the same
 # flags (a rank failed, has a gradient, has one in another dtype), so that a
-# rank that fails after one, and agrees upon exit, meets the others' next one,
-# whichever it is; once one says a rank failed, no rank agrees again.
+# rank that fails after one, and agrees upon exit, meets the others' next one;
+# once one says a rank failed, no rank agrees again.
 # - Entry, per state: each rank does what may fail (the source allocates the
 #   unsharded parameter and gradient; ``NO_SHARD``: copies them, to restore or
-#   to edit), then the ranks agree. Then sharded strategies gather the shards
-#   to the source, within its replica (zeros from a rank without a gradient),
-#   and the source prepares the body (``offload_to_cpu``, unflattening,
-#   gradient views). The other ranks never allocate the unsharded ones.
+#   to edit), then the ranks agree. Then the shards are gathered to the source
+#   only (zeros from a rank without a gradient), which prepares the body.
 # - Exit, once all states exited (each, with ``offload_to_cpu`` on an
 #   accelerator): each rank allocates what it receives into, then the ranks
-#   agree. If none failed, the source zeros the padding and scatters each rank
-#   its shard of the parameter, then of the gradient (``NO_SHARD`` broadcasts;
-#   for hybrid sharding, its replica then broadcasts them on). Else only
-#   ``NO_SHARD``'s parameter moves: the source broadcasts its values from
-#   before. The scatters run concurrently; once all finished, each state frees
-#   its unsharded copies.
+#   agree. If none failed, the source scatters the parameters, then the
+#   gradients, of all states concurrently. Else only ``NO_SHARD``'s parameter
+#   moves: the source broadcasts its values from before. Once all finished,
+#   each state frees its unsharded copies.
 
 
 def _run_all(fns) -> None:
@@ -128,7 +123,7 @@ class _Rank0Writeback:
         failed, any_grad, other_dtype = result.tolist()
         self.failed = bool(failed or other_dtype)
         if other_dtype and not failed:
-            raise _other_dtype_error(dtype)
+            raise _grad_dtype_error(dtype)
         if self.failed and self.ok:
             raise RuntimeError(
                 "summon_full_params(writeback=True, rank0_only=True) failed on "
@@ -161,8 +156,10 @@ class _Rank0State:
     """A state's part of a call: its unsharded copies on the source, its moves."""
 
     def __init__(self, state: _FSDPState, handle: FlatParamHandle, groups: tuple):
-        self.state, self.handle, self.groups = state, handle, groups
-        self.is_src, self.sharded = _is_rank0(groups), handle.uses_sharded_strategy
+        self.state, self.handle = state, handle
+        self.replicate_group = groups[1] if len(groups) > 1 else None
+        self.is_src = all(dist.get_rank(g) == 0 for g in groups)
+        self.sharded = handle.uses_sharded_strategy
         self.gather, self.grads, self.written = handle.needs_unshard(), False, False
         self.padded = self.before = self.own = self.send = self.grad = None
         self.send_buffer = self.buffer = None  # on the device, for CPUOffload
@@ -199,7 +196,8 @@ class _Rank0State:
             flat_param._saved_grad_shard = self.own
             moves.append((self.send_buffer, self.grad))
         # Every move, even after one failed, so that the ranks' collectives match
-        _run_all(functools.partial(_gather_to_rank0, self.groups, *m) for m in moves)
+        gather, group = handle.gather_to_rank0, self.replicate_group
+        _run_all(functools.partial(gather, *m, group) for m in moves)
         if self.is_src or not self.sharded:
             handle.unshard()  # only switches to the gathered parameter
         handle.post_unshard()
@@ -234,26 +232,8 @@ class _Rank0State:
 
     def _scatter(self, works: list, padded, out: torch.Tensor, buffer=None) -> None:
         """Starts writing the source's ``padded`` to each rank's shard ``out``."""
-        groups, handle = self.groups, self.handle
         buffer = out if buffer is None else buffer
-        if not self.sharded:
-            work = dist.broadcast(buffer, group=groups[0], group_src=0, async_op=True)
-        elif _is_rank0(groups, replica_only=True):
-            chunks = None
-            if padded is not None:
-                padded[handle.flat_param._unpadded_unsharded_size.numel() :].zero_()
-                chunks = list(padded.chunk(handle.world_size))
-            work = dist.scatter(
-                buffer, chunks, group=groups[0], group_src=0, async_op=True
-            )
-        if len(groups) > 1:
-            try:
-                if _is_rank0(groups, replica_only=True):
-                    work.wait()  # the source's replica sends on what it received
-            finally:  # also if it failed, so that the ranks' collectives match
-                work = dist.broadcast(
-                    buffer, group=groups[1], group_src=0, async_op=True
-                )
+        work = self.handle.scatter_from_rank0(padded, buffer, self.replicate_group)
         works.append(lambda: (work.wait(), buffer is not out and out.copy_(buffer)))
 
     def free(self) -> None:
@@ -277,19 +257,6 @@ class _Rank0State:
                 _reshard_grads(handle)
         finally:
             handle._training_state = HandleTrainingState.IDLE
-
-
-def _is_rank0(groups: tuple, replica_only=False) -> bool:
-    """Whether this rank is the source, or with ``replica_only`` in its replica."""
-    return all(dist.get_rank(g) == 0 for g in groups[replica_only:])
-
-
-def _gather_to_rank0(groups: tuple, shard: torch.Tensor, padded) -> None:
-    """Gathers the shards into the source's ``padded`` (``None`` elsewhere)."""
-    if _is_rank0(groups, replica_only=True):
-        n = dist.get_world_size(groups[0])
-        chunks = None if padded is None else list(padded.chunk(n))
-        dist.gather(shard, chunks, group=groups[0], group_dst=0)
 
 
 @contextlib.contextmanager
@@ -336,12 +303,11 @@ def _unshard_fsdp_state_params_from_rank0(
                 if s.grads:  # set back once the parameter is back on its device
                     stack.callback(setattr, flat_param, "grad", flat_param.grad)
                 if offload_to_cpu and not flat_param.is_cpu:
-                    cpu = handle.to_cpu() if s.sharded else _no_shard_to_cpu(handle)
-                    stack.enter_context(cpu)
+                    stack.enter_context(handle.to_cpu())
                 if not state._use_orig_params:
                     stack.enter_context(_unflatten_as_params(state, module))
                 if s.grads:
-                    stack.enter_context(_unsharded_grad_views(handle, writeback=True))
+                    stack.enter_context(handle.unsharded_grad_views(writeback=True))
                 yield
         body_succeeded = True
     finally:
@@ -401,75 +367,6 @@ def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
         finally:
             if not handle._use_orig_params:
                 _register_flat_param(state, module)
-
-
-def _check_grad_dtypes(handle: FlatParamHandle) -> None:
-    """
-    Raises on every rank, in one all-reduce, if a rank has a gradient in another
-    dtype than the parameter: a rank without one sends zeros in the parameter's
-    dtype (``unshard_grad()``), so the ranks' collectives would not match. Then
-    the handle is idle again: nothing else changed.
-    """
-    grad, dtype = handle.flat_param.grad, handle.flat_param._local_shard.dtype
-    other = grad is not None and grad.dtype != dtype
-    other_dtype = torch.tensor([other], dtype=torch.int32, device=handle.device)
-    dist.all_reduce(other_dtype, op=dist.ReduceOp.MAX, group=handle.process_group)
-    if other_dtype.item():
-        handle._training_state = HandleTrainingState.IDLE
-        raise _other_dtype_error(dtype)
-
-
-def _other_dtype_error(dtype: torch.dtype) -> NotImplementedError:
-    return NotImplementedError(
-        f"with_grads=True needs every rank's gradient in {dtype}: use "
-        "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
-    )
-
-
-@contextlib.contextmanager
-def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator:
-    """
-    Sets the original parameters' gradients to views into the unsharded one,
-    on CPU if the parameters are (copied back upon exit if ``writeback=True``
-    or for ``NO_SHARD``, whose changes persist regardless of ``writeback``).
-    Upon exit, an offloaded gradient is unset: the caller sets the unsharded one
-    back once the parameter is back on its device.
-    """
-    flat_param = handle.flat_param
-    grad = flat_param.grad
-    if grad is None:
-        # No rank has a gradient, and neither has any original parameter
-        yield
-        return
-    offloaded = grad.device != flat_param.device
-    if offloaded:
-        flat_param.grad = grad.to(flat_param.device)
-    if offloaded or not handle._use_orig_params:
-        handle._use_unsharded_grad_views()
-    try:
-        yield
-    finally:
-        if offloaded:
-            if writeback or not handle.uses_sharded_strategy:
-                grad.copy_(flat_param.grad)
-            flat_param.grad = None
-
-
-@contextlib.contextmanager
-def _no_shard_to_cpu(handle: FlatParamHandle) -> Generator:
-    """
-    ``FlatParamHandle.to_cpu()`` for ``NO_SHARD``, whose changes persist
-    regardless of ``writeback``: the CPU copy's values are copied back.
-    """
-    flat_param = handle.flat_param
-    device_flat_param = flat_param.data
-    handle.flat_param_to(torch.device("cpu"))
-    try:
-        yield
-    finally:
-        device_flat_param.copy_(flat_param.data)
-        flat_param.data = device_flat_param
-        handle._use_unsharded_views(as_params=handle._use_orig_params)
 
 
 def _validate_unshard_params_args(
@@ -551,7 +448,7 @@ def _unshard_fsdp_state_params(
     _reset_flat_param_grad_info_if_needed(handle)
     # Before the parameters move: if it raises, it does on every rank
     if with_grads and handle.uses_sharded_strategy:
-        _check_grad_dtypes(handle)
+        handle.check_grad_dtypes()
     free_unsharded_flat_param = handle.needs_unshard()
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
@@ -584,12 +481,12 @@ def _unshard_fsdp_state_params(
                 # move gradients to CPU *after* we move parameters.
             elif offload_to_cpu and not handle.flat_param.is_cpu:
                 # `NO_SHARD` (a CPU copy of the parameter, as for sharding)
-                stack.enter_context(_no_shard_to_cpu(handle))
+                stack.enter_context(handle.to_cpu())
             # NOTE: This assumes 1 `FlatParameter`
             if not state._use_orig_params:
                 stack.enter_context(_unflatten_as_params(state, module))
             if with_grads:
-                stack.enter_context(_unsharded_grad_views(handle, writeback))
+                stack.enter_context(handle.unsharded_grad_views(writeback))
             try:
                 yield
             finally:

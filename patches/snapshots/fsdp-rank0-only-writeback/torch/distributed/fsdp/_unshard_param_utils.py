@@ -113,19 +113,15 @@ class _Rank0State:
     @torch.no_grad()
     def write_back(self, write: bool) -> None:
         """Writes back the source's copy (``NO_SHARD``: restores it), then frees."""
-        handle, flat_param, group = self.handle, self.handle.flat_param, self.group
+        handle, flat_param = self.handle, self.handle.flat_param
         try:
             if not self.sharded:
                 if not write and self.before is not None:
                     flat_param.copy_(self.before)
-                dist.broadcast(flat_param.data, group=group, group_src=0)
+                handle.scatter_from_rank0(None, flat_param.data).wait()
             elif write:
-                chunks = None
-                if self.is_src:
-                    padded = handle._get_padded_unsharded_flat_param()
-                    padded[flat_param._unpadded_unsharded_size.numel() :].zero_()
-                    chunks = list(padded.chunk(handle.world_size))
-                dist.scatter(flat_param._local_shard, chunks, group=group, group_src=0)
+                padded = handle._get_padded_unsharded_flat_param() if self.is_src else None
+                handle.scatter_from_rank0(padded, flat_param._local_shard).wait()
             # Even if allocated before (a forward), so no rank keeps a stale copy
             _reshard(self.state, handle, self.sharded)
         finally:
@@ -176,8 +172,7 @@ def _unshard_fsdp_state_params_from_rank0(
                 if not s.sharded:  # to restore on failure
                     s.before = flat_param.detach().clone()
                 if offload_to_cpu and not flat_param.is_cpu:
-                    cpu = handle.to_cpu() if s.sharded else _no_shard_to_cpu(handle)
-                    stack.enter_context(cpu)
+                    stack.enter_context(handle.to_cpu())
                 if not state._use_orig_params:
                     stack.enter_context(_unflatten_as_params(state, module))
                 yield
@@ -239,75 +234,6 @@ def _unflatten_as_params(state: _FSDPState, module: nn.Module) -> Generator:
         finally:
             if not handle._use_orig_params:
                 _register_flat_param(state, module)
-
-
-def _check_grad_dtypes(handle: FlatParamHandle) -> None:
-    """
-    Raises on every rank, in one all-reduce, if a rank has a gradient in another
-    dtype than the parameter: a rank without one sends zeros in the parameter's
-    dtype (``unshard_grad()``), so the ranks' collectives would not match. Then
-    the handle is idle again: nothing else changed.
-    """
-    grad, dtype = handle.flat_param.grad, handle.flat_param._local_shard.dtype
-    other = grad is not None and grad.dtype != dtype
-    other_dtype = torch.tensor([other], dtype=torch.int32, device=handle.device)
-    dist.all_reduce(other_dtype, op=dist.ReduceOp.MAX, group=handle.process_group)
-    if other_dtype.item():
-        handle._training_state = HandleTrainingState.IDLE
-        raise _other_dtype_error(dtype)
-
-
-def _other_dtype_error(dtype: torch.dtype) -> NotImplementedError:
-    return NotImplementedError(
-        f"with_grads=True needs every rank's gradient in {dtype}: use "
-        "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
-    )
-
-
-@contextlib.contextmanager
-def _unsharded_grad_views(handle: FlatParamHandle, writeback: bool) -> Generator:
-    """
-    Sets the original parameters' gradients to views into the unsharded one,
-    on CPU if the parameters are (copied back upon exit if ``writeback=True``
-    or for ``NO_SHARD``, whose changes persist regardless of ``writeback``).
-    Upon exit, an offloaded gradient is unset: the caller sets the unsharded one
-    back once the parameter is back on its device.
-    """
-    flat_param = handle.flat_param
-    grad = flat_param.grad
-    if grad is None:
-        # No rank has a gradient, and neither has any original parameter
-        yield
-        return
-    offloaded = grad.device != flat_param.device
-    if offloaded:
-        flat_param.grad = grad.to(flat_param.device)
-    if offloaded or not handle._use_orig_params:
-        handle._use_unsharded_grad_views()
-    try:
-        yield
-    finally:
-        if offloaded:
-            if writeback or not handle.uses_sharded_strategy:
-                grad.copy_(flat_param.grad)
-            flat_param.grad = None
-
-
-@contextlib.contextmanager
-def _no_shard_to_cpu(handle: FlatParamHandle) -> Generator:
-    """
-    ``FlatParamHandle.to_cpu()`` for ``NO_SHARD``, whose changes persist
-    regardless of ``writeback``: the CPU copy's values are copied back.
-    """
-    flat_param = handle.flat_param
-    device_flat_param = flat_param.data
-    handle.flat_param_to(torch.device("cpu"))
-    try:
-        yield
-    finally:
-        device_flat_param.copy_(flat_param.data)
-        flat_param.data = device_flat_param
-        handle._use_unsharded_views(as_params=handle._use_orig_params)
 
 
 def _validate_unshard_params_args(
@@ -387,7 +313,7 @@ def _unshard_fsdp_state_params(
     _reset_flat_param_grad_info_if_needed(handle)
     # Before the parameters move: if it raises, it does on every rank
     if with_grads and handle.uses_sharded_strategy:
-        _check_grad_dtypes(handle)
+        handle.check_grad_dtypes()
     free_unsharded_flat_param = handle.needs_unshard()
     # No need to call `wait_stream()` since we unshard in the computation
     # stream directly
@@ -419,12 +345,12 @@ def _unshard_fsdp_state_params(
                 # move gradients to CPU *after* we move parameters.
             elif offload_to_cpu and not handle.flat_param.is_cpu:
                 # `NO_SHARD` (a CPU copy of the parameter, as for sharding)
-                stack.enter_context(_no_shard_to_cpu(handle))
+                stack.enter_context(handle.to_cpu())
             # NOTE: This assumes 1 `FlatParameter`
             if not state._use_orig_params:
                 stack.enter_context(_unflatten_as_params(state, module))
             if with_grads:
-                stack.enter_context(_unsharded_grad_views(handle, writeback))
+                stack.enter_context(handle.unsharded_grad_views(writeback))
             try:
                 yield
             finally:

@@ -1382,6 +1382,24 @@ class FlatParamHandle:
         padded_unsharded_flat_param = self._all_gather_flat_param(unsharded_flat_param)
         self._use_unsharded_flat_param(padded_unsharded_flat_param)
 
+    def gather_to_rank0(
+        self,
+        shard: Tensor,
+        padded_unsharded: Tensor | None,
+        replicate_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """
+        Gather each rank's ``shard`` of the flat parameter, or of its gradient,
+        into rank 0's ``padded_unsharded`` (``None`` on the other ranks): the
+        all-gather of :meth:`unshard` to rank 0 only. With a ``replicate_group``
+        (hybrid sharding), only the replica of its rank 0 gathers.
+        """
+        if replicate_group is None or dist.get_rank(replicate_group) == 0:
+            chunks = None
+            if padded_unsharded is not None:
+                chunks = list(padded_unsharded.chunk(self.world_size))
+            dist.gather(shard, chunks, group=self.process_group, group_dst=0)
+
     def needs_unshard(self) -> bool:
         """Return if the handle's flat parameter needs to be unsharded."""
         if not self.uses_sharded_strategy:
@@ -1616,6 +1634,50 @@ class FlatParamHandle:
         if self._use_orig_params:
             self._use_unsharded_grad_views()
 
+    def check_grad_dtypes(self) -> None:
+        """
+        Raise on every rank, in one all-reduce, if a rank has a gradient in
+        another dtype than the parameter: a rank without one sends zeros in the
+        parameter's dtype (:meth:`unshard_grad`), so the ranks' collectives would
+        not match. Then the handle is idle again: nothing else changed.
+        """
+        flat_param = self.flat_param
+        grad, dtype = flat_param.grad, flat_param._local_shard.dtype  # type: ignore[attr-defined]
+        other = grad is not None and grad.dtype != dtype
+        other_dtype = torch.tensor([other], dtype=torch.int32, device=self.device)
+        dist.all_reduce(other_dtype, op=dist.ReduceOp.MAX, group=self.process_group)
+        if other_dtype.item():
+            self._training_state = HandleTrainingState.IDLE
+            raise _grad_dtype_error(dtype)
+
+    @contextlib.contextmanager
+    def unsharded_grad_views(self, writeback: bool):
+        """
+        Set the original parameters' gradients to views into the unsharded one,
+        on CPU if the parameters are (copied back upon exit if ``writeback=True``
+        or for ``NO_SHARD``, whose changes persist regardless of ``writeback``).
+        Upon exit, an offloaded gradient is unset: the caller sets the unsharded
+        one back once the parameter is back on its device.
+        """
+        flat_param = self.flat_param
+        grad = flat_param.grad
+        if grad is None:
+            # No rank has a gradient, and neither has any original parameter
+            yield
+            return
+        offloaded = grad.device != flat_param.device
+        if offloaded:
+            flat_param.grad = grad.to(flat_param.device)
+        if offloaded or not self._use_orig_params:
+            self._use_unsharded_grad_views()
+        try:
+            yield
+        finally:
+            if offloaded:
+                if writeback or not self.uses_sharded_strategy:
+                    grad.copy_(flat_param.grad)
+                flat_param.grad = None
+
     def reshard_grad(self):
         if self._use_orig_params:
             self._use_sharded_grad_views()
@@ -1745,7 +1807,20 @@ class FlatParamHandle:
         flat parameter on the compute device, and the handle uses a sharded
         strategy.
         Postcondition: Same as the precondition.
+
+        For ``NO_SHARD``, whose changes persist regardless of ``writeback``, the
+        CPU copy's values are copied back upon exit.
         """
+        if not self.uses_sharded_strategy:
+            device_flat_param = self.flat_param.data
+            self.flat_param_to(torch.device("cpu"))
+            try:
+                yield
+            finally:
+                device_flat_param.copy_(self.flat_param.data)
+                self.flat_param.data = device_flat_param
+                self._use_unsharded_views(as_params=self._use_orig_params)
+            return
         self._check_sharded_strategy()
         _p_assert(
             self.flat_param.size() == self.flat_param._unpadded_unsharded_size,
@@ -1804,6 +1879,40 @@ class FlatParamHandle:
         self._use_sharded_flat_param()
         if free_unsharded_flat_param:
             self._free_unsharded_flat_param()
+
+    def scatter_from_rank0(
+        self,
+        padded_unsharded: Tensor | None,
+        shard: Tensor,
+        replicate_group: dist.ProcessGroup | None = None,
+    ) -> dist.Work:
+        """
+        Start writing rank 0's ``padded_unsharded`` flat parameter, or gradient
+        (``None`` on the other ranks), to each rank's ``shard``, the padding
+        zeroed; for ``NO_SHARD``, broadcast rank 0's ``shard``. With a
+        ``replicate_group`` (hybrid sharding), the replica of its rank 0 then
+        broadcasts the shards on. Return the work to wait on.
+        """
+        in_src_replica = replicate_group is None or dist.get_rank(replicate_group) == 0
+        group = self.process_group
+        if not self.uses_sharded_strategy:
+            work = dist.broadcast(shard, group=group, group_src=0, async_op=True)
+        elif in_src_replica:
+            chunks = None
+            if padded_unsharded is not None:
+                numel = self.flat_param._unpadded_unsharded_size.numel()
+                padded_unsharded[numel:].zero_()
+                chunks = list(padded_unsharded.chunk(self.world_size))
+            work = dist.scatter(shard, chunks, group=group, group_src=0, async_op=True)
+        if replicate_group is not None:
+            try:
+                if in_src_replica:
+                    work.wait()
+            finally:  # also if it failed, so that the ranks' collectives match
+                work = dist.broadcast(
+                    shard, group=replicate_group, group_src=0, async_op=True
+                )
+        return work
 
     def post_reshard(self):
         """
@@ -2821,6 +2930,13 @@ def _construct_padding_tensor(
 # Use `lru_cache(1)` to only log the warning once (assuming the fixed warning
 # message is passed in)
 @functools.lru_cache(1)
+def _grad_dtype_error(dtype: torch.dtype) -> NotImplementedError:
+    return NotImplementedError(
+        f"with_grads=True needs every rank's gradient in {dtype}: use "
+        "MixedPrecision(keep_low_precision_grads=False), or cast the gradients"
+    )
+
+
 def _warn_skip_writeback_check(log: logging.Logger, warning: str):
     logger.warning(warning)
 
