@@ -34,7 +34,8 @@ class Graft:
     """What executing an overlay file changed in the stock classes."""
 
     def __init__(self) -> None:
-        self.replaced: list[tuple[type, dict[str, object]]] = []
+        # Each class, with what its namespace held before and what was installed
+        self.replaced: list[tuple[type, dict[str, object], dict[str, object]]] = []
 
     def install(self, stock: type, body: type) -> None:
         """Install ``body``'s namespace on ``stock`` (see the module docstring)."""
@@ -46,7 +47,7 @@ class Graft:
         slots = {k for k, v in theirs.items() if isinstance(v, types.MemberDescriptorType)}
         names = (set(ours) | set(theirs)) - _KEPT - slots
         saved = {name: theirs.get(name, _ABSENT) for name in names}
-        self.replaced.append((stock, saved))
+        self.replaced.append((stock, saved, {name: ours.get(name, _ABSENT) for name in names}))
         for name in names:
             if name in ours:
                 setattr(stock, name, ours[name])
@@ -57,10 +58,13 @@ class Graft:
                 cell.cell_contents = stock
 
     def undo(self) -> None:
-        """Restore every class namespace this graft changed."""
+        """Restore every class namespace this graft changed, but a name that changed since (a ``mock.patch``
+        entered before activation and left while active has restored its own value: it stays)."""
         while self.replaced:
-            stock, saved = self.replaced.pop()
+            stock, saved, installed = self.replaced.pop()
             for name, value in saved.items():
+                if vars(stock).get(name, _ABSENT) is not installed[name]:
+                    continue
                 if value is _ABSENT:
                     if name in vars(stock):
                         delattr(stock, name)

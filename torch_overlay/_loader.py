@@ -267,10 +267,15 @@ def _serve(stock: types.ModuleType, spec: ModuleSpec | None, manifest: Manifest)
 
 def exec_onto_stock(module: types.ModuleType, exec_module: Callable[[types.ModuleType], None]) -> None:
     """Execute a module served with ``keep_classes`` that is first imported while active (the finder's loader):
-    torch's file first, kept as the original for deactivation, then ours into ``module``, onto its classes."""
+    torch's file first, kept as the original for deactivation, then ours into ``module``, onto its classes. Imported
+    again while active (a reload, or after its entry left ``sys.modules``), it goes onto the same original's classes
+    again, so that deactivation restores the classes that other modules hold."""
     with _lock:
         name = module.__name__
-        stock = _execute(name, _stock_spec(name))
+        stock = _originals.get(name)
+        if stock is None:
+            stock = _execute(name, _stock_spec(name))
+        _ungraft(name)
         _grafts[name] = _graft.execute_onto(stock, module, exec_module)
         _originals[name] = stock
 

@@ -256,7 +256,8 @@ class ActivationTest(unittest.TestCase):
 
     def test_a_file_whose_classes_others_hold_first_imported_while_active(self):
         """Imported first while active, ``_flat_param.py`` is executed from torch's file, then from ours onto
-        its classes: deactivation and activation again keep the same class objects."""
+        its classes: deactivation and activation again keep the same class objects, and so do a reload and a
+        new import while active."""
         report = run_scenario(
             """
             torch_overlay.activate()
@@ -280,10 +281,17 @@ class ActivationTest(unittest.TestCase):
             report.append(state())
             torch_overlay.activate()
             report.append(state())
+            importlib.reload(flat_param)  # onto the same classes again
+            del sys.modules[name]
+            importlib.import_module(name)
+            report.append(state())
+            torch_overlay.deactivate()
+            report.append(state())
             print(json.dumps(report))
             """
         )
-        self.assertEqual(report, [[True, True, True], [True, False, True], [True, True, True]])
+        on, off = [True, True, True], [True, False, True]
+        self.assertEqual(report, [on, off, on, on, off])
 
     def test_ddp_after_import_is_served_with_torch_subclass_and_restored(self):
         """DDP's class is served anew: torch's own subclass (DistributedDataParallelCPU) is defined again on it,

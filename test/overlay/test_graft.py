@@ -7,6 +7,7 @@ import unittest
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from unittest import mock
 
 from torch_overlay._graft import GraftError, execute_onto
 
@@ -83,6 +84,18 @@ class GraftTest(unittest.TestCase):
         self.assertEqual(a.hello(), "stock base")
         self.assertEqual(vars(stock.A).keys(), self.namespace.keys())
         self.assertTrue(all(vars(stock.A)[k] is v for k, v in self.namespace.items()))
+
+    def test_undo_keeps_what_changed_since(self):
+        """A ``mock.patch`` entered before the graft and left while it is installed has put back the stock
+        method: undo leaves it, and does not put back the mock."""
+        stock, stock_hello = self.stock, self.stock.A.hello
+        with mock.patch.object(stock.A, "hello", lambda self: "mocked"):
+            _, graft = self.serve(OVERLAY)
+            self.assertEqual(stock.A().hello(), "ours base")
+        self.assertIs(stock.A.hello, stock_hello)
+        graft.undo()
+        self.assertIs(stock.A.hello, stock_hello)
+        self.assertEqual(stock.A.LIMIT, 1)
 
     def test_a_changed_enum_raises_and_changes_nothing(self):
         with self.assertRaisesRegex(GraftError, "fake_stock.Kind: the overlay changes an enum"):
