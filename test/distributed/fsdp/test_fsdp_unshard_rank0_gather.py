@@ -1,6 +1,7 @@
 # Owner(s): ["oncall: distributed"]
 
 import contextlib
+import copy
 from unittest import mock
 
 import torch
@@ -13,30 +14,116 @@ from torch.distributed.fsdp._flat_param import FlatParamHandle
 from torch.profiler import profile, ProfilerActivity
 from torch.testing._internal.common_utils import run_tests
 
-from common_fsdp_unshard import BodyError
+from common_fsdp_unshard import batch, BodyError, reference_model
 from test_fsdp_unshard_rank0_writeback import (
     _edit,
     _Rank0WritebackTest,
     _summon_rank0,
     BOTH,
+    FAILED_ELSEWHERE,
     FULL,
     GRAD_OP,
     HYBRID,
 )
 
 
+class Injected(Exception):
+    """A failure forced on one rank."""
+
+
+def _fail_once(point, owner, name: str, after: bool, fired: list):
+    """
+    Patches ``owner.name`` to raise ``Injected(point)`` at its first call, before it
+    runs, or ``after`` it ran (a collective or a free, which must run on every rank).
+    """
+    original = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        if fired:
+            return original(*args, **kwargs)
+        fired.append(point)
+        if not after:
+            raise Injected(point)
+        result = original(*args, **kwargs)
+        if result is None:
+            raise Injected(point)
+
+        def wait():  # an asynchronous collective: it raises once finished
+            result.wait()
+            raise Injected(point)
+
+        return mock.Mock(wait=wait)
+
+    return mock.patch.object(owner, name, failing)
+
+
 class _Rank0GatherTest(_Rank0WritebackTest):
+    # Where a rank fails, in order: (owner, attribute, fails after running, the
+    # ranks that reach it)
     points = {
-        **_Rank0WritebackTest.points,
-        # On entry, before the ranks agree: unsharding starts, rank 0 allocates
         "pre_unshard": (FlatParamHandle, "pre_unshard", False, (0, 1)),
         "alloc": (FlatParamHandle, "_alloc_padded_unsharded_flat_param", False, (0,)),
-        # Once they agreed to unshard, then upon exit once they agreed to write back
         "gather": (dist, "gather", True, (0, 1)),
+        "post_unshard": (FlatParamHandle, "post_unshard", False, (0, 1)),
+        "to_cpu": (FlatParamHandle, "to_cpu", False, (0,)),
+        "unflatten": (FlatParamHandle, "unflatten_as_params", False, (0,)),
+        # The other ranks free the unsharded parameter before the body
+        "early_free": (unshard_param_utils, "_reshard", False, (1,)),
+        "body": (None, None, False, (0, 1)),
         "scatter": (dist, "scatter", True, (0, 1)),
         "free": (unshard_param_utils, "_reshard", True, (0,)),
     }
+    # The points after the ranks agreed to write back: only the failed rank raises
     after_agreement = ("scatter", "free")
+
+    def _failures(self, *points: str) -> list[tuple[str, int]]:
+        """Each point and each rank that reaches it."""
+        return [(p, rank) for p in points for rank in self.points[p][-1]]
+
+    def _test_failure_at(self, failure, nested, with_grads, **kwargs):
+        """
+        ``failure``: a point fails on a rank, in the first unit it reaches (of two if
+        ``nested``). Before the ranks agree to write back, every rank raises with
+        nothing changed; after, only that rank raises, and each has rank 0's edits.
+        Either way FSDP is idle and trains on; a hang fails at the group's timeout.
+        """
+        (point, fail_rank), kwargs = failure, {**kwargs, "use_orig_params": False}
+        if point == "to_cpu" and self.device.type == "cpu":
+            return  # ``offload_to_cpu`` copies nothing on a CPU compute device
+        if nested:
+            model, reference = self._models(with_grads, **kwargs)
+        else:
+            reference = reference_model()
+            kwargs["device_id"] = self.device
+            model = FSDP(copy.deepcopy(reference), self.process_group, **kwargs)
+            if with_grads:
+                for m, device in [(model, self.device), (reference, "cpu")]:
+                    m(batch().to(device)).sum().backward()
+        fails, fired = self.rank == fail_rank, []
+        owner, name, after, _ = self.points[point]
+        raises = self.assertRaisesRegex(RuntimeError, FAILED_ELSEWHERE)
+        if fails:
+            raises = self.assertRaisesRegex(Injected, point)
+        elif point in self.after_agreement:
+            raises = contextlib.nullcontext()
+        failing = contextlib.nullcontext()
+        if fails and owner is not None:
+            failing = _fail_once(point, owner, name, after, fired)
+        offload_to_cpu = point == "to_cpu"
+        with failing, raises:
+            with _summon_rank0(
+                model, with_grads=with_grads, offload_to_cpu=offload_to_cpu
+            ):
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+                if fails and point == "body":
+                    raise Injected(point)
+        self.assertEqual(fired, [point] if fails and point != "body" else [])
+        self._check_idle_and_resharded(model)
+        if point in self.after_agreement:
+            _edit(list(reference.parameters()), with_grads)
+        self._check_full(model, reference, with_grads)
+        self._check_writeback(model, reference, with_grads)
 
     def _test_allocate_at_most_a_shard(self, with_grads: bool, **kwargs) -> None:
         """No allocation on the other ranks exceeds a shard; one unit dwarfs others."""
@@ -66,6 +153,12 @@ class _Rank0GatherTest(_Rank0WritebackTest):
             self.assertGreaterEqual(largest, full * itemsize)
         else:
             self.assertLessEqual(largest, shard, f"rank {self.rank} (full: {full})")
+
+    def _test_hybrid_shard(self, with_grads: bool, **kwargs) -> None:
+        # Rank 2, rank 0 of the other replica, must not keep a full copy either
+        self._test_rank0_writeback(with_grads, offload_to_cpu=True, **kwargs)
+        # Nor allocate one: only rank 0's replica gathers, to rank 0
+        self._test_allocate_at_most_a_shard(with_grads, **kwargs)
 
     def _test_collectives(self, fail, with_grads: bool) -> None:
         """
@@ -124,13 +217,11 @@ class TestUnshardRank0Gather(_Rank0GatherTest):
         config = {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH}
         self.run_subtests(config, self._test_allocate_at_most_a_shard, with_grads=False)
 
-    def test_rank0_writeback_failure_in_collectives(self):
+    def test_rank0_writeback_failure(self):
         """
-        A rank fails around a collective (unsharding to rank 0, writing back, freeing):
-        no rank hangs, and all agree.
+        A rank fails at any point of the writeback: no rank hangs, and all agree.
         """
-        failures = self._failures("pre_unshard", "alloc", "gather", "scatter", "free")
-        config = {"failure": failures, "nested": BOTH}
+        config = {"failure": self._failures(*self.points), "nested": BOTH}
         self.run_subtests(config, self._test_failure_at, with_grads=False)
 
     def test_rank0_writeback_collectives(self):
@@ -149,23 +240,8 @@ class TestUnshardRank0GatherHybrid(_Rank0GatherTest):
     def test_rank0_writeback_hybrid_shard(self):
         mesh = init_device_mesh(self.device.type, (2, 2))
         config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
-        # Rank 2, rank 0 of the other replica, must not keep a full copy either
         self.run_subtests(
-            config,
-            self._test_rank0_writeback,
-            device_mesh=mesh,
-            with_grads=False,
-            offload_to_cpu=True,
-        )
-
-    def test_rank0_writeback_hybrid_shard_allocate_at_most_a_shard(self):
-        mesh = init_device_mesh(self.device.type, (2, 2))
-        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
-        self.run_subtests(
-            config,
-            self._test_allocate_at_most_a_shard,
-            device_mesh=mesh,
-            with_grads=False,
+            config, self._test_hybrid_shard, device_mesh=mesh, with_grads=False
         )
 
 
