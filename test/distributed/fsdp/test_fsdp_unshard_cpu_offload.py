@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN, run_tests
-
-from common_fsdp_unshard import FSDPUnshardTest
 
 if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
@@ -23,10 +22,15 @@ if TEST_WITH_DEV_DBG_ASAN:
     sys.exit(0)
 
 
-class TestUnshardCPUOffload(FSDPUnshardTest):
+class TestUnshardCPUOffload(MultiProcContinuousTest):
     """``offload_to_cpu`` when the compute device is the CPU (gloo), on two ranks."""
 
     world_size = 2
+    device = torch.device("cpu")
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return "gloo"
 
     def test_offload_to_cpu_on_cpu_compute_device(self):
         """
@@ -37,7 +41,7 @@ class TestUnshardCPUOffload(FSDPUnshardTest):
         reference = nn.Linear(4, 6)
         model = FSDP(
             copy.deepcopy(reference),
-            process_group=self.process_group,
+            process_group=self.pg,
             device_id=self.device,
         )
         for rank0_only in (False, True):
