@@ -290,6 +290,7 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
 
     def test_a_prefix_red_list_leaves_out_the_tests_a_later_patch_adds(self) -> None:
         red = "# comment\ntest/a.py::T::test_one one\ntest/a.py::T::test_two two\ntest/b.py::test_three three\n"
+        red += "test/a.py::Later::test_one one\n"  # a later patch's class, with a test of the same name
         rewritten = {"test/a.py": b"class T:\n    def test_one(self):\n        pass\n"}
         self.assertEqual(
             prefix_red_list(red, rewritten), "# comment\ntest/a.py::T::test_one one\ntest/b.py::test_three three\n"

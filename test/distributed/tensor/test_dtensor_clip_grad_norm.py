@@ -110,15 +110,9 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
 
     @parametrize("layout", ["fsdp2_tp", "fsdp2_tp_plain", "tp"])
     def test_clip_grad_norm(self, layout):
-        self.run_subtests(
-            {
-                "norm_type": [2, INF, 1, 3, -INF],
-                "foreach": [None, True, False],
-                "two_step": [False, True],
-            },
-            self._test_clip_grad_norm,
-            layout,
-        )
+        config = {"norm_type": [2, INF, 1, 3, -INF], "foreach": [None, True, False]}
+        config["two_step"] = [False, True]
+        self.run_subtests(config, self._test_clip_grad_norm, layout)
         # Gradient norms whose squares overflow float16
         self._test_clip_grad_norm(layout, 2, None, False, torch.float16)
 
@@ -155,17 +149,13 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
 
     @parametrize("layout", ["fsdp2_tp", "tp"])
     def test_nonfinite_grad_on_one_rank(self, layout):
-        self.run_subtests(
-            {"value": [INF, float("nan")], "norm_type": [2, INF]},
-            self._test_nonfinite_grad_on_one_rank,
-            layout,
-        )
+        config = {"value": [INF, float("nan")], "norm_type": [2, INF]}
+        self.run_subtests(config, self._test_nonfinite_grad_on_one_rank, layout)
 
     def _test_nonfinite_grad_on_one_rank(self, layout, value, norm_type):
         ref, model, wrapped, _ = self._layout(layout)
         self._backward(ref, wrapped)
-        # One shard of the gradient: FSDP2's on rank 0, TP's on tp rank 0 of each
-        # replica
+        # One shard of the gradient: FSDP2's on rank 0, TP's on each replica's tp rank 0
         if self.rank == 0 or (layout != "fsdp2_tp" and self.rank % 2 == 0):
             grad = model.net1.weight.grad
             grad = grad.to_local() if isinstance(grad, DTensor) else grad
@@ -211,8 +201,8 @@ class TestClipGradNormLayouts(DTensorContinuousTestBase):
             get_total_norm(grads)
 
     def test_partial_grads_are_reduced_first(self):
-        """Partial gradients (of sequence parallel norms) count as what they sum to,
-        here on another mesh than the others."""
+        """Partial gradients (sequence parallel norms') count as their sum, on a mesh
+        of their own."""
         mesh = self.mesh
         local = torch.arange(4.0, device=self.device_type) + self.rank
         grads = [
