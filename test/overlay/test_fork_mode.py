@@ -1,11 +1,10 @@
 """Fork mode on a scratch copy of the installed torch (a symlink tree: replacing a file never touches .venv).
 
 The series used here is generated from a synthetic overlay holding only the summon_full_params warning fix
-(and a one-line version of each new module, which fork mode creates and removes), so its red test (upstream's
-is TestUnshardOffloadWarning in test_fsdp_unshard_params.py; here a file of its own) proves fork mode end to
-end: it passes in the scratch interpreter with fork mode applied (no overlay: TORCH_OVERLAY=0, no boot
-directory); once reverted, every file is the stock file again, byte for byte, and each new module is gone
-(where `pytest --stock` proves the test red).
+(and a one-line version of each new module, which fork mode creates and removes), so its red test,
+TestUnshardOffloadWarning in test_fsdp_unshard_params.py, proves fork mode end to end: it passes in the scratch
+interpreter with fork mode applied (no overlay: TORCH_OVERLAY=0, no boot directory); once reverted, every file
+is the stock file again, byte for byte, and each new module is gone (where `pytest --stock` proves the test red).
 """
 
 from __future__ import annotations
@@ -33,34 +32,8 @@ from torch_overlay._guard import check_base, find_torch_dir
 from torch_overlay._manifest import MANIFEST_PATH, load_manifest
 
 WARNING_FILE = "torch/distributed/fsdp/_unshard_param_utils.py"
-RED_TEST = "test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"
-RED_TEST_SOURCE = '''\
-# Owner(s): ["oncall: distributed"]
-
-from types import SimpleNamespace
-
-from torch.distributed.fsdp._unshard_param_utils import _validate_unshard_params_args
-from torch.testing._internal.common_utils import run_tests, TestCase
-
-
-class TestUnshardOffloadWarning(TestCase):
-    def test_offload_to_cpu_warning_text(self):
-        """
-        The warning for ``offload_to_cpu=True, rank0_only=False`` reads as a sentence.
-        """
-        with self.assertWarnsRegex(UserWarning, "may result in the unsharded"):
-            _validate_unshard_params_args(
-                SimpleNamespace(_handle=None),  # an FSDP state without parameters
-                writeback=False,
-                rank0_only=False,
-                offload_to_cpu=True,
-                with_grads=False,
-            )
-
-
-if __name__ == "__main__":
-    run_tests()
-'''
+RED_TEST = REPO_ROOT / "test/distributed/fsdp/test_fsdp_unshard_params.py"
+RED_CLASS = "TestUnshardOffloadWarning"  # runs alone, in one process
 SERIES = """
 author = "Pat Maintainer <pat@example.com>"
 
@@ -68,12 +41,12 @@ author = "Pat Maintainer <pat@example.com>"
 name = "warning"
 title = "[FSDP] Fix the offload warning"
 summary = "Add the missing space."
-test_plan = "python test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"
+test_plan = "python test/distributed/fsdp/test_fsdp_unshard_params.py TestUnshardOffloadWarning"
 claims = [
   { file = "torch/distributed/fsdp/_unshard_param_utils.py", match = 'may result in the "' },
   NEW_CLAIMS
 ]
-tests = ["test/distributed/fsdp/test_fsdp_unshard_offload_warning.py"]
+tests = []
 """
 
 
@@ -129,9 +102,6 @@ class TestForkMode(expecttest.TestCase):
             project.overlay_file(path).write_bytes(NEW_CONTENT)
         project.patches_dir.mkdir()
         project.series_toml.write_text(textwrap.dedent(SERIES).replace("NEW_CLAIMS", _new_claims("a new module")))
-        cls.red_test = project.root / RED_TEST
-        cls.red_test.parent.mkdir(parents=True)
-        cls.red_test.write_text(RED_TEST_SOURCE)
         write(project, generate(project, pristine(project)))
         cls.patches_dir = project.patches_dir
         cls.pristine = _hashes(cls.torch_dir)
@@ -187,7 +157,7 @@ torch-overlay: check failed: fork mode is applied (1 patches in place), so the i
         refused = self.run_scratch("-c", "import torch_overlay._loader as l; l.activate()")
         self.assertIn("refusing to activate the overlay: fork mode is active", refused.stderr)
         self.assertIn("refusing to install the persistent overlay: fork mode is active", self.cli("apply-overlay"))
-        green = self.run_scratch(str(self.red_test))
+        green = self.run_scratch(str(RED_TEST), RED_CLASS)
         self.assertEqual(green.returncode, 0, green.stderr[-3000:])
 
         self.assertEqual(
