@@ -43,7 +43,7 @@ test-stock: install
 test-overlay: install sources
 	$(PYTEST) --durations=15 test
 
-UPSTREAM_FORMATTED := test/distributed/tensor/test_optimizers.py,test/distributed/fsdp/test_fsdp_tp_integration.py,test/distributed/fsdp/test_fsdp_unshard_params.py
+UPSTREAM_FORMATTED := test/distributed/tensor/test_optimizers.py,test/distributed/fsdp/test_fsdp_tp_integration.py,test/distributed/fsdp/test_fsdp_unshard_params.py,test/distributed/test_dynamo_distributed.py
 
 lint: install
 	$(PY) -m ruff check torch_overlay tools test examples
