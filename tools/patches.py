@@ -164,15 +164,15 @@ def edit_notes(edits: list[UpstreamEdit], version: str) -> str:
     NOTE: written below the ``---`` line, where ``git am`` and ``git apply`` ignore text: it is not part of
     the commit message, so it never reaches the PR that ``ghstack`` makes of the commit.
     """
-    notes = [
-        textwrap.fill(
-            f"Note: the changes to {edit.path} were made against {edit.base}; the rest of this patch against "
-            f"torch {version}'s files (apply with `git am -3` on another commit).",
-            width=72,
-        )
-        for edit in edits
-    ]
-    return "---\n" + "\n\n".join(notes) + "\n\n" if notes else ""
+    if not edits:
+        return ""
+    made = ", ".join(f"those to {edit.path} against {edit.base}" for edit in edits[1:])
+    note = (
+        f"Note: the changes to {edits[0].path} were made against {edits[0].base}, {made + ', ' if made else ''}"
+        f"and the rest of this patch against torch {version}'s files; each index line names its upstream blob, "
+        "so `git am -3` applies the patch on another commit."
+    )
+    return "---\n" + textwrap.fill(note, width=72, break_on_hyphens=False, break_long_words=False) + "\n\n"
 
 
 def _splice(patch_text: str, edits: list[UpstreamEdit], version: str) -> str:

@@ -124,8 +124,9 @@ python test/fake/test_two.py
 
 ---
 Note: the changes to test/fake/test_upstream.py were made against
-pytorch/pytorch@abc123; the rest of this patch against torch 9.9.0's
-files (apply with `git am -3` on another commit).
+pytorch/pytorch@abc123, and the rest of this patch against torch 9.9.0's
+files; each index line names its upstream blob, so `git am -3` applies
+the patch on another commit.
 
 """,
         )
