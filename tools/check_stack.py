@@ -285,9 +285,12 @@ def prefix_red_list(red_list: str, rewritten: dict[str, bytes]) -> str:
 
     def kept(line: str) -> bool:
         path, _, test = line.partition(" ")[0].partition("::")
+        if path not in rewritten:
+            return True
         *classes, name = test.split("::")  # a test of the same name in a class the prefix lacks is left out too
-        found = [re.search(rf"^\s*class {c}\b".encode(), rewritten.get(path, b""), re.M) for c in classes]
-        return path not in rewritten or (all(found) and f"def {name}(".encode() in rewritten[path])
+        text = rewritten[path]
+        has_classes = all(re.search(rf"^\s*class {c}\b".encode(), text, re.M) for c in classes)
+        return has_classes and f"def {name}(".encode() in text
 
     return "".join(line for line in red_list.splitlines(keepends=True) if line.startswith("#") or kept(line))
 

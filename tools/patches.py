@@ -166,11 +166,13 @@ def edit_notes(edits: list[UpstreamEdit], version: str) -> str:
     """
     if not edits:
         return ""
-    made = ", ".join(f"those to {edit.path} against {edit.base}" for edit in edits[1:])
+    first, *others = edits
+    clauses = [f"the changes to {first.path} were made against {first.base}"]
+    clauses += [f"those to {edit.path} against {edit.base}" for edit in others]
+    clauses.append(f"and the rest of this patch against torch {version}'s files")
     note = (
-        f"Note: the changes to {edits[0].path} were made against {edits[0].base}, {made + ', ' if made else ''}"
-        f"and the rest of this patch against torch {version}'s files; each index line names its upstream blob, "
-        "so `git am -3` applies the patch on another commit."
+        f"Note: {', '.join(clauses)}; each index line names its upstream blob, so `git am -3` applies the patch "
+        "on another commit."
     )
     return "---\n" + textwrap.fill(note, width=72, break_on_hyphens=False, break_long_words=False) + "\n\n"
 
