@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_overlay._manifest import BASES_DIR, Manifest, load_manifest, version_key
+from torch_overlay._manifest import BASES_DIR, Manifest, load_manifest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ class Project:
         return load_manifest(self.manifest_path)
 
     def declared_requirement(self) -> str | None:
-        """The ``torch`` requirement in pyproject.toml's ``[project] dependencies``, or None."""
+        """A ``torch`` requirement in pyproject.toml's ``[project] dependencies`` (there must be none), or None."""
         try:
             deps = tomllib.loads(self.pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]
         except (OSError, KeyError, tomllib.TOMLDecodeError):
@@ -71,16 +71,6 @@ class Project:
         """The diff of upstream test file ``path``: ``<path>.diff`` where one patch edits it, else each
         patch's own ``<path>.<patch>.diff`` (:func:`tools.series.edit_owner`)."""
         return self.root / "test" / "upstream_edits" / (path + (f".{patch}" if patch else "") + ".diff")
-
-
-def torch_requirement(manifest: Manifest) -> str:
-    """The package's dependency: every release from the oldest base's minor to the newest base's, no other.
-
-    A range, not a pin, so that installing torch-overlay into an environment of any supported release installs
-    nothing over the user's torch; bounded above, so that it never pulls an unsupported (and large) release.
-    """
-    oldest, newest = version_key(manifest.bases[0].version), version_key(manifest.bases[-1].version)
-    return f"torch>={oldest[0]}.{oldest[1]},<{newest[0]}.{newest[1] + 1}"
 
 
 def default_project() -> Project:

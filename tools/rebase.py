@@ -7,8 +7,8 @@ payload base's pristine file, and each file is reported clean or conflicted. The
   refused, naming the file, and nothing changes (the overlay would shadow upstream's module with its own);
 - a conflict: the merges, conflict markers included, are written to ``build/rebase-<version>/`` and nothing
   in the project changes;
-- otherwise the release joins ``manifest.json`` (its files' sha256), the torch requirement in
-  ``pyproject.toml`` widens to cover it, a newer release's files become the payload (the merge), and each
+- otherwise the release joins ``manifest.json`` (its files' sha256), a newer release's files become the
+  payload (the merge), and each
   runtime file (one the overlay serves at run time) gets what serves every base: where a base's file differs
   from the newest's in comments only, the code digest they share (``code_sha256``), and where it differs in
   code, a payload of its own (``base_payloads``, written by :mod:`tools.transplant`). ``patches/`` is
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import tokenize
@@ -32,7 +31,7 @@ from tools import transplant
 from tools.check import check
 from tools.patches import PatchError, generate, generated_files, write
 from tools.pristine import BaseSourceError, pristine, read_paths
-from tools.project import Project, default_project, torch_requirement
+from tools.project import Project, default_project
 from torch_overlay import _git
 from torch_overlay._atomic import write_atomically
 from torch_overlay._guard import read_torch_version
@@ -154,14 +153,6 @@ def new_manifest_text(project: Project, version: str, theirs: dict[str, bytes], 
     return (json.dumps(raw, indent=2) + "\n").encode("utf-8")
 
 
-def new_pyproject_text(project: Project, requirement: str) -> bytes:
-    text = project.pyproject.read_text(encoding="utf-8")
-    declared = project.declared_requirement()
-    if declared is None:
-        raise RebaseError(f"{project.pyproject}: no torch dependency in [project] dependencies to widen")
-    return re.sub(f'"{re.escape(declared)}"', f'"{requirement}"', text, count=1).encode("utf-8")
-
-
 def add_base(
     project: Project, upstream: Path, version: str, results: list[MergeResult], sources: list[Path]
 ) -> list[str]:
@@ -172,7 +163,7 @@ def add_base(
     manifest = project.manifest()
     theirs = read_paths(upstream, [m.path for m in manifest.modules if not m.new])
     becomes_newest = version_key(version) > version_key(manifest.payload_base.version)
-    touched = [project.manifest_path, project.pyproject, *generated_files(project.patches_dir)]
+    touched = [project.manifest_path, *generated_files(project.patches_dir)]
     touched += [project.overlay_file(m.path) for m in manifest.modules if not m.new]
     touched += [p for p in project.bases_dir.rglob("*") if p.is_file()]
     saved = {path: path.read_bytes() for path in touched if path.is_file()}
@@ -181,7 +172,6 @@ def add_base(
         files = {b.version: found.files(b) for b in manifest.bases} | {version: theirs}
         plans = {m.path: plan_payloads(files, m.path) for m in manifest.runtime_modules if not m.new}
         write_atomically(project.manifest_path, new_manifest_text(project, version, theirs, plans))
-        write_atomically(project.pyproject, new_pyproject_text(project, torch_requirement(project.manifest())))
         if becomes_newest:  # the payload is the newest base's files plus our change
             for r in results:
                 write_atomically(project.overlay_file(r.path), r.merged)

@@ -133,7 +133,7 @@ def make_project(tmp: Path) -> tuple[Project, list[Path]]:
     write(base_dir, BASE)
     write(old_dir, OLD_BASE)
     write(root, {"torch_overlay/manifest.json": manifest_text({"9.8.0": OLD_BASE, "9.9.0": BASE})})
-    write(root, {"pyproject.toml": '[project]\nname = "fake"\ndependencies = ["torch>=9.8,<9.10"]\n'})
+    write(root, {"pyproject.toml": '[project]\nname = "fake"\ndependencies = []\n'})
     write(root, {f"torch_overlay/{p}": t for p, t in OVERLAY.items()})
     write(root, {"patches/series.toml": textwrap.dedent(SERIES).lstrip()})
     write(

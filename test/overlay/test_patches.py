@@ -239,12 +239,12 @@ Run `make sources` (downloads the missing bases' wheels), or `make install TORCH
             check(self.project, self.sources[:1])[0],
         )
 
-    def test_requirement_must_cover_the_bases(self) -> None:
+    def test_the_package_must_not_require_torch(self) -> None:
         self.regenerate()
-        self.project.pyproject.write_text('[project]\nname = "fake"\ndependencies = ["torch==9.8.0"]\n')
+        self.project.pyproject.write_text('[project]\nname = "fake"\ndependencies = ["torch>=9.8,<9.10"]\n')
         self.assertExpectedInline(
             "\n".join(self.check()),
-            """pyproject.toml: the torch dependency is 'torch==9.8.0'; the bases in manifest.json need 'torch>=9.8,<9.10'""",  # noqa: E501
+            """pyproject.toml: the dependency 'torch>=9.8,<9.10' must go: pip would install, upgrade or downgrade the user's torch to meet it; the guard checks the release at activation (README, 'Install')""",  # noqa: E501
         )
 
     def test_backports_come_last(self) -> None:

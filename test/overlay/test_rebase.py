@@ -74,7 +74,7 @@ Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tel
         self.assertEqual(manifest.versions, ("9.8.0", "9.9.0", "10.0.0"))
         merged = self.project.overlay_file("torch/fake/alpha.py").read_text()
         self.assertEqual(merged, OVERLAY["torch/fake/alpha.py"].replace("line 7\n", "line 7 upstream\n"))
-        self.assertEqual(self.project.declared_requirement(), "torch>=9.8,<10.1")
+        self.assertIsNone(self.project.declared_requirement(), "the package requires no torch")
         self.sources.append(upstream)
         self.assertEqual(check(self.project, self.sources), [])
         self.assertIn("series-9.8.0", [f.name for f in generated_files(self.project.patches_dir)])
