@@ -64,7 +64,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     stock = config.getoption("--stock")
-    os.environ["TORCH_OVERLAY"] = "0" if stock else "1"
+    os.environ["TORCH_OVERLAY"] = "0" if stock else "require"
     # The checkout comes before the venv's own torch-overlay (an editable install may point at another
     # checkout): the spawned ranks import torch_overlay before they get this process's sys.path.
     os.environ["PYTHONPATH"] = os.pathsep.join(

@@ -189,7 +189,7 @@ def scratch_env(scratch: Path) -> dict[str, str]:
     """The environment that serves the scratch payload in a process and all its children (no stale bytecode)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     boot = scratch / "test" / "overlay" / "boot"
-    env.update(PYTHONPATH=f"{boot}{os.pathsep}{scratch}", TORCH_OVERLAY="1", PYTHONDONTWRITEBYTECODE="1")
+    env.update(PYTHONPATH=f"{boot}{os.pathsep}{scratch}", TORCH_OVERLAY="require", PYTHONDONTWRITEBYTECODE="1")
     return env
 
 

@@ -6,6 +6,11 @@ after "**Quick start**") runs as written, in order, from the checkout, with the 
 in an activated venv. It fails, naming the command, unless each one succeeds and the example prints its
 ``OK:`` line. The dev venvs hold numpy, pytest and the rest: only here does a missing requirement show.
 
+Then a second venv holds a torch that is not a base (a stand-in wheel of the release after the newest base: its
+``torch/version.py`` and metadata, all that pip and the guard read), and the quick start's install line runs in it
+as written: it must leave that torch as it was, and the activation line must refuse, saying that the release is not
+a base and that nothing was changed.
+
 Standard library only, so that it runs with any ``python3``.
 
     python -m tools.quickstart [--torch VERSION] [--venv DIR]
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,6 +79,49 @@ def run_quickstart(venv: Path, torch_version: str, say: Callable[[str], None] = 
     return ok.group(0)
 
 
+def run_unsupported(venv: Path, say: Callable[[str], None] = print) -> str:
+    """Make ``venv`` (it must not exist) with a torch that is not a base, run the quick start's install line in it;
+    returns the activation's refusal. Fails unless torch is left as it was and activation refuses."""
+    env = user_env(venv)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    manifest = json.loads((REPO_ROOT / "torch_overlay" / "manifest.json").read_text())
+    major, minor = manifest["bases"][-1]["version"].split(".")[:2]
+    version = f"{major}.{int(minor) + 1}.0"
+    wheel = stand_in_torch_wheel(venv.parent, version)
+    say(f"$ pip install {wheel.name}   # a torch that is not a base: {version}")
+    _run(f"pip install --quiet --no-index {wheel}", env)
+    before = _run("pip show --files torch", env)
+    install, activate = commands(REPO_ROOT / "README.md")[:2]
+    say(f"$ {install}")
+    _run(install, env)
+    after = _run("pip show --files torch", env)
+    if after != before:
+        raise QuickstartError(f"`{install}` changed torch {version}:\nbefore:\n{before}\nafter:\n{after}")
+    say(f"$ {activate}   # must refuse")
+    proc = subprocess.run(activate, shell=True, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    said = proc.stdout + proc.stderr
+    if proc.returncode != 1 or f"torch {version} at " not in said or "Nothing was changed." not in said:
+        raise QuickstartError(f"`{activate}` on torch {version} exited {proc.returncode}, not refusing:\n{said}")
+    return said.strip()
+
+
+def stand_in_torch_wheel(directory: Path, version: str) -> Path:
+    """A wheel named torch ``version`` holding only ``torch/version.py``: what pip and the guard read of a torch."""
+    wheel = directory / f"torch-{version}-py3-none-any.whl"
+    info = f"torch-{version}.dist-info"
+    files = {
+        "torch/__init__.py": f"__version__ = {version!r}\n",
+        "torch/version.py": f"__version__ = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: quickstart\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"]))
+    return wheel
+
+
 def _run(command: str, env: dict[str, str]) -> str:
     proc = subprocess.run(
         command, shell=True, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -98,11 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(venv, ignore_errors=True)
         try:
             ok = run_quickstart(venv, args.torch)
+            refused = run_unsupported(Path(tmp) / "unsupported" / "venv")
         except (QuickstartError, subprocess.CalledProcessError) as e:
             print(f"make quickstart: {e}", file=sys.stderr)
             return 1
-    print(f"quickstart: the README's commands worked in a venv with only torch {args.torch} and the package "
-          f"({time.monotonic() - start:.0f} s); the example said:\n{ok}")  # fmt: skip
+    print(f"quickstart: the README's commands worked in a venv with only torch {args.torch} and the package, "
+          f"and on a torch that is not a base its install line left torch alone and activation refused "
+          f"({time.monotonic() - start:.0f} s); the example said:\n{ok}\nthe refusal said:\n{refused}")  # fmt: skip
     return 0
 
 

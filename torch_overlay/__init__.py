@@ -12,12 +12,26 @@ of a persistent install imports this package in every interpreter of the environ
 
 from __future__ import annotations
 
+import os
 import warnings
 
+from torch_overlay._env import ENV_VAR, EnvMode, env_mode
 from torch_overlay._manifest import load_manifest
-from torch_overlay._startup import ENV_VAR, disabled_by_env
 
-__all__ = ["activate", "BaseMismatchError", "deactivate", "OverlayStatus", "status", "SubclassedError"]
+__version__ = "0.2.0"
+"""The package's version (pyproject.toml reads it here); CHANGELOG.md says what each version changed."""
+
+__all__ = [
+    "__version__",
+    "activate",
+    "BaseMismatchError",
+    "deactivate",
+    "NotActiveError",
+    "OverlayStatus",
+    "require_active",
+    "status",
+    "SubclassedError",
+]
 
 
 def activate() -> None:
@@ -25,15 +39,37 @@ def activate() -> None:
 
     Raises, having changed nothing, :class:`BaseMismatchError` when the installed torch is not the base recorded
     in the manifest, and :class:`SubclassedError` when a class the overlay serves (``DistributedDataParallel``)
-    was already subclassed outside torch. ``TORCH_OVERLAY=0`` in the environment wins: it leaves stock torch in
-    place (with a warning), so one variable is enough to rule the overlay out while debugging.
+    was already subclassed outside torch. ``TORCH_OVERLAY=0`` (or ``off``, ``false``, ``no``) in the environment
+    wins: it leaves stock torch in place (with a warning), so one variable is enough to rule the overlay out while
+    debugging. Any value of it but those, ``require`` and none raises ``ValueError``, naming the values it takes.
     """
-    if disabled_by_env():
-        warnings.warn(f"torch_overlay.activate() ignored: {ENV_VAR}=0 is set", RuntimeWarning, stacklevel=2)
+    if env_mode() is EnvMode.OFF:
+        warnings.warn(_off_warning(), RuntimeWarning, stacklevel=2)
         return
     from torch_overlay._loader import activate as activate_in_process
 
     activate_in_process()
+
+
+def require_active() -> None:
+    """Raise :class:`NotActiveError` unless the overlay's change serves this process: one line at the top of a
+    training script, so that a rank where the overlay is off, stood down or was activated too late fails instead of
+    training on stock torch. Fork mode (the change applied in place to torch) counts as serving."""
+    from torch_overlay._loader import require_active as require
+
+    require()
+
+
+def _off_warning() -> str:
+    from torch_overlay import _fork
+
+    warning = f"torch_overlay.activate() ignored: {ENV_VAR}={os.environ[ENV_VAR]} is set"
+    if _fork.active_state() is not None:
+        warning += (
+            "; but fork mode is applied to the installed torch, and the variable does not turn it off: this process "
+            "runs the patched files (`torch-overlay revert-patches` restores stock torch)"
+        )
+    return warning
 
 
 def deactivate() -> None:
@@ -70,10 +106,10 @@ def __getattr__(name: str) -> object:
         from torch_overlay._guard import BaseMismatchError
 
         return BaseMismatchError
-    if name == "SubclassedError":
-        from torch_overlay._loader import SubclassedError
+    if name in ("NotActiveError", "SubclassedError"):
+        from torch_overlay import _loader
 
-        return SubclassedError
+        return getattr(_loader, name)
     if name in ("OverlayStatus", "status"):
         from torch_overlay import _status
 

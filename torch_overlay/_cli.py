@@ -1,7 +1,8 @@
 """Command lines: ``python -m torch_overlay.activate [--revert|--status|--check]`` and ``torch-overlay``.
 
-Thin: parse arguments, call the library, print what happened, return an exit code (0 done, 1 refused or
-check failed; 141, quietly, when the reader of stdout went away, as for a Unix tool killed by SIGPIPE).
+Thin: parse arguments, call the library, print what happened, return an exit code (0 done, 1 refused, check
+failed or status found a problem; 141, quietly, when the reader of stdout went away, as for a Unix tool killed by
+SIGPIPE).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from torch_overlay import _fork
+from torch_overlay import __version__, _fork
 from torch_overlay._guard import BaseMismatchError, require_base
 from torch_overlay._persistent import install_hook, remove_hook
 from torch_overlay._status import status
@@ -45,8 +46,9 @@ def _revert() -> int:
 
 
 def _status() -> int:
-    print(status().format())
-    return 0
+    report = status()
+    print(report.format())
+    return 0 if report.ok else 1
 
 
 def _check() -> int:
@@ -126,6 +128,10 @@ def _stdout_closed() -> int:
     return 128 + signal.SIGPIPE
 
 
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"torch-overlay {__version__}")
+
+
 def activate_main(argv: list[str] | None = None) -> int:
     """``python -m torch_overlay.activate``: install the persistent overlay, or revert/status/check it."""
     parser = argparse.ArgumentParser(
@@ -142,6 +148,7 @@ def activate_main(argv: list[str] | None = None) -> int:
         const="check",
         help="verify the base and the hook without changing anything",
     )
+    _add_version(parser)
     args = parser.parse_args(argv)
     return run(args.action or "apply")
 
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="torch-overlay", description="Install, remove and inspect the torch-overlay overlay and fork mode."
     )
+    _add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("apply-overlay", help="install the persistent overlay into this environment")
     sub.add_parser("revert-overlay", help="remove the persistent overlay")

@@ -3,7 +3,9 @@
 This (and the manifest reader, :mod:`torch_overlay._manifest`) is all that the start-up hook of a persistent
 install loads into every interpreter, so it imports only what a bare interpreter has already loaded (plus
 ``json``): the heavier machinery (the version guard, fork mode) is imported on the first import of a replaced
-module, when torch is being imported anyway. It never imports the loader, which imports it.
+module, when torch is being imported anyway. It never imports the loader, which imports it: what the two share
+(the stock objects replaced, for a ``keep_classes`` module first imported while active) is
+:mod:`torch_overlay._originals`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ import types
 import warnings
 from importlib.machinery import ModuleSpec
 
+from torch_overlay._env import ENV_VAR
 from torch_overlay._manifest import Base, load_manifest
+
+
+class NotServedError(RuntimeError):
+    """The overlay cannot serve this process, and ``TORCH_OVERLAY`` asks for failure rather than stock torch.
+
+    NOTE: not an ImportError, which code that falls back when an optional module is missing would swallow.
+    """
 
 
 class OverlayFinder:
@@ -23,10 +33,11 @@ class OverlayFinder:
     Our file is the one for the installed base (:meth:`~torch_overlay._manifest.Manifest.payload_file`), so the
     finder serves only once the base is known: ``base``, checked by the caller, or with ``guard_on_first_use``
     (the start-up hook, which must not touch torch) the base found at the first import of a manifest module; on
-    a mismatch the finder stands down with one warning, and the process runs stock torch.
+    a mismatch the finder stands down with one warning, and the process runs stock torch, or, ``strict``, every
+    import of a replaced module raises :class:`NotServedError`.
     """
 
-    def __init__(self, guard_on_first_use: bool, base: Base | None = None) -> None:
+    def __init__(self, guard_on_first_use: bool, base: Base | None = None, strict: bool = False) -> None:
         assert guard_on_first_use == (base is None), "a finder serves a checked base, or checks at first use"
         self._manifest = load_manifest()
         self._names = frozenset(m.name for m in self._manifest.runtime_modules)
@@ -34,8 +45,22 @@ class OverlayFinder:
         self._files = self._manifest.overlay_files(base) if base is not None else {}
         self._guard_pending = guard_on_first_use
         self._guard_lock = threading.Lock()
+        self.strict = strict
+        """``TORCH_OVERLAY=require``: where the finder stands down, a replaced module's import raises instead."""
         self.disabled_reason: str | None = None
+        self.fork_mode = False
+        """Stood down because fork mode serves the change from torch's own files (not an error, even if strict)."""
         self.base_warning: str | None = None
+        self._refusal: str | None = None
+
+    @classmethod
+    def refusing(cls, message: str) -> OverlayFinder:
+        """A finder that serves nothing: the first import of a replaced module raises :class:`NotServedError`
+        with ``message`` (an invalid ``TORCH_OVERLAY``, which must not break start-up)."""
+        finder = cls(guard_on_first_use=True, strict=True)
+        finder._guard_pending = False
+        finder.disabled_reason = finder._refusal = message
+        return finder
 
     @property
     def module_names(self) -> tuple[str, ...]:
@@ -61,15 +86,22 @@ class OverlayFinder:
             with self._guard_lock:
                 if self._guard_pending:
                     try:
-                        self.disabled_reason, self.base_warning, base = first_use_check()
+                        self.disabled_reason, self.base_warning, base, self.fork_mode = first_use_check()
                         if base is not None:
                             self._files = self._manifest.overlay_files(base)
-                    except Exception as e:  # the user's import must go on, on stock torch
+                    except Exception as e:  # the user's import must go on, on stock torch (unless strict)
                         self.disabled_reason = f"the base check failed: {e!r}"
                     self._guard_pending = False
                     if self.disabled_reason is None and self.base_warning is not None:
                         warnings.warn(self.base_warning, RuntimeWarning, stacklevel=3)
-                    if self.disabled_reason is not None:
+                    if self.disabled_reason is not None and self.strict and not self.fork_mode:
+                        self._refusal = (
+                            f"torch_overlay: {ENV_VAR}=require is set, and the overlay cannot serve this process: "
+                            f"{self.disabled_reason}. Nothing was served. Fix what "
+                            "`python -m torch_overlay.activate --status` names, or unset "
+                            f"{ENV_VAR} to run stock torch (with a warning)."
+                        )
+                    elif self.disabled_reason is not None:
                         warnings.warn(
                             "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
                             f"one of its bases: {self.disabled_reason}. "
@@ -86,23 +118,27 @@ class OverlayFinder:
             from torch_overlay._dynamo_rules import registering_spec
 
             return registering_spec(fullname, path)
-        if fullname not in self._names or self.verify() is not None:
+        if fullname not in self._names:
+            return None
+        if self.verify() is not None:
+            if self._refusal is not None:
+                raise NotServedError(self._refusal)
             return None
         return overlay_spec(fullname, self._files[fullname], onto_stock=fullname in self._keep_classes)
 
 
-def first_use_check() -> tuple[str | None, str | None, Base | None]:
+def first_use_check() -> tuple[str | None, str | None, Base | None, bool]:
     """The base check of a finder installed by the start-up hook: (why it must stand down, a warning, the base
-    it serves)."""
+    it serves, whether fork mode is why)."""
     from torch_overlay import _fork
     from torch_overlay._guard import check_base
 
     check = check_base()
     if check.ok:
-        return None, check.warning, check.matched
+        return None, check.warning, check.matched, False
     if _fork.active_state(check.torch_dir):
-        return "fork mode is active (the series is applied in place)", None, None
-    return "; ".join(check.problems()), None, None
+        return "fork mode is active (the series is applied in place)", None, None, True
+    return "; ".join(check.problems()), None, None, False
 
 
 def overlay_spec(name: str, overlay_file: str, onto_stock: bool = False) -> ModuleSpec | None:
@@ -113,7 +149,7 @@ def overlay_spec(name: str, overlay_file: str, onto_stock: bool = False) -> Modu
 
     class OntoStockLoader(importlib.machinery.SourceFileLoader):
         def exec_module(self, module: types.ModuleType) -> None:
-            from torch_overlay._loader import exec_onto_stock
+            from torch_overlay._originals import exec_onto_stock
 
             exec_onto_stock(module, super().exec_module)
 

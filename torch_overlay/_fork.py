@@ -163,12 +163,17 @@ def _replace_all(torch_dir: Path, files: dict[str, bytes | None], fallback: dict
         raise
 
 
+_UNWRITABLE_FIX = (
+    "Use the overlay in the process instead, which writes nothing: `import torch_overlay; torch_overlay.activate()` "
+    "at the top of your script (`python -m torch_overlay.activate` writes to this environment too)."
+)
+
+
 def _refuse_unwritable(dirs: list[Path]) -> None:
     for d in dirs:
         if not os.access(d, os.W_OK):
             raise ForkError(
-                f"torch_overlay: refusing fork mode: {d} is not writable. Nothing was changed. Use a virtual "
-                "environment you own, or the overlay instead (`python -m torch_overlay.activate`)."
+                f"torch_overlay: refusing fork mode: {d} is not writable. Nothing was changed. {_UNWRITABLE_FIX}"
             )
 
 
@@ -256,7 +261,7 @@ def _save_originals(torch_dir: Path, base: dict[str, bytes | None], state: ForkS
     except OSError as e:
         raise ForkError(
             f"torch_overlay: refusing fork mode: cannot write in {directory.parent} ({e.strerror}). Nothing was "
-            "changed. Use a virtual environment you own, or the overlay instead (`python -m torch_overlay.activate`)."
+            f"changed. {_UNWRITABLE_FIX}"
         ) from e
     try:
         tmp.chmod(0o755)

@@ -30,20 +30,18 @@ executed from torch's file first, then from ours onto it, so that deactivation g
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.util
 import os
 import sys
-import threading
 import types
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from importlib.machinery import ModuleSpec
 
-from torch_overlay import _dynamo_rules, _fork, _graft
+from torch_overlay import _dynamo_rules, _fork, _graft, _originals
 from torch_overlay._dynamo_rules import TRACE_RULES
+from torch_overlay._env import ENV_VAR, OFF_VALUES
 from torch_overlay._finder import OverlayFinder, installed_finder, overlay_spec
 from torch_overlay._guard import BaseMismatchError, require_base
 from torch_overlay._manifest import Manifest, OverlayModule, load_manifest
@@ -73,11 +71,8 @@ class SubclassedError(RuntimeError):
     """A class the swap would replace has a subclass outside torch; nothing was changed."""
 
 
-_lock = threading.RLock()
-_originals: dict[str, types.ModuleType] = {}
-"""Stock module objects that were imported before activation, restored as they are on deactivation."""
-_grafts: dict[str, _graft.Graft] = {}
-"""For each module served with ``keep_classes``, what its overlay file changed in the stock classes."""
+class NotActiveError(RuntimeError):
+    """:func:`torch_overlay.require_active`: this process does not run the overlay's change."""
 
 
 def is_overlay_module(module: types.ModuleType, overlay: OverlayModule) -> bool:
@@ -130,13 +125,14 @@ def dependents(modules: list[types.ModuleType], manifest: Manifest, activating: 
     return found
 
 
-def activate(*, guard_on_first_use: bool = False) -> None:
+def activate(*, guard_on_first_use: bool = False, strict: bool = False) -> None:
     """Activate the overlay in this process; a no-op when it is already active.
 
     Raises :class:`~torch_overlay._guard.BaseMismatchError`, having changed nothing, when the installed
-    torch is not the base (unless ``guard_on_first_use``, see :class:`~torch_overlay._finder.OverlayFinder`).
+    torch is not the base (unless ``guard_on_first_use``, see :class:`~torch_overlay._finder.OverlayFinder`,
+    which ``strict`` makes raise where it would stand down).
     """
-    with _lock:
+    with _originals.lock:
         finder = installed_finder()
         if finder is not None:
             # Installed by the start-up hook: an explicit call checks the base now, and says so if it failed.
@@ -165,7 +161,7 @@ def activate(*, guard_on_first_use: bool = False) -> None:
         # NOTE: the finder goes in first, so that a manifest module first imported while the others are
         # swapped (by an overlay module, or another thread) is served from the overlay too. The stock modules
         # of torch that are swapped for fresh ones (``then``) are kept as they are, like the manifest ones.
-        finder = OverlayFinder(guard_on_first_use=not check_now, base=base)
+        finder = OverlayFinder(guard_on_first_use=not check_now, base=base, strict=strict)
         sys.meta_path.insert(0, finder)
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
         keep = {id(sys.modules[name]) for names in then.values() for name in names}
@@ -179,18 +175,18 @@ def activate(*, guard_on_first_use: bool = False) -> None:
         except BaseException:
             for name, current, replacement in reversed(done):
                 _swap(name, replacement, current, manifest)
-            for name in list(_grafts):
-                _ungraft(name)
+            for name in list(_originals.grafts):
+                _originals.ungraft(name)
             sys.meta_path.remove(finder)
             raise
-        _originals.update({name: current for name, current, _ in done})
+        _originals.modules.update({name: current for name, current, _ in done})
         if TRACE_RULES in sys.modules:  # else registered when torch.compile first imports it
             _dynamo_rules.register(sys.modules[TRACE_RULES])
 
 
 def deactivate() -> None:
     """Restore stock torch in this process exactly; a no-op when the overlay is not active."""
-    with _lock:
+    with _originals.lock:
         finder = installed_finder()
         if finder is None:
             return
@@ -214,7 +210,7 @@ def deactivate() -> None:
                     _remove(name, current)
                     removed.append((name, current))
                     continue
-                original = _originals.get(name) or _execute(name, _stock_spec(name))
+                original = _originals.modules.get(name) or _originals.execute(name, _originals.stock_spec(name))
                 _swap(name, current, original, manifest)
                 done.append((name, current, original))
 
@@ -227,16 +223,38 @@ def deactivate() -> None:
             for name, current, original in reversed(done):
                 _swap(name, original, current, manifest)
             raise
-        for name in list(_grafts):  # the stock classes get their own namespaces back
-            _ungraft(name)
+        for name in list(_originals.grafts):  # the stock classes get their own namespaces back
+            _originals.ungraft(name)
         sys.meta_path.remove(finder)
-        _originals.clear()
+        _originals.modules.clear()
         if TRACE_RULES in sys.modules:
             _dynamo_rules.unregister(sys.modules[TRACE_RULES])
 
 
+def require_active() -> None:
+    """Raise :class:`NotActiveError` unless this process runs the change: the overlay active, its base matched and
+    no replaced module left stock, or fork mode applied to the installed torch."""
+    with _originals.lock:
+        finder = installed_finder()
+        if finder is None:
+            off = os.environ.get(ENV_VAR, "").strip().lower() in OFF_VALUES
+            reason = f"{ENV_VAR}={os.environ[ENV_VAR]} turns it off" if off else "it was not activated"
+        elif finder.verify() is not None:
+            reason = "" if finder.fork_mode else f"it stood down: {finder.disabled_reason}"
+        else:
+            stock = [name for name, state in process_state().modules if state is ModuleState.STOCK]
+            reason = f"{', '.join(stock)} stayed stock" if stock else ""
+    if not reason or _fork.active_state() is not None:
+        return
+    raise NotActiveError(
+        f"torch_overlay: the overlay is not active in this process: {reason}. Activate it before building models: "
+        "`python -m torch_overlay.activate` (every process) or `torch_overlay.activate()`; "
+        "`python -m torch_overlay.activate --status` says what is served."
+    )
+
+
 def process_state() -> ProcessState:
-    with _lock:
+    with _originals.lock:
         manifest = load_manifest()
         modules = []
         for overlay in manifest.runtime_modules:
@@ -259,43 +277,9 @@ def _serve(stock: types.ModuleType, spec: ModuleSpec | None, manifest: Manifest)
     served with ``keep_classes``)."""
     name = stock.__name__
     if not any(m.name == name and m.keep_classes for m in manifest.runtime_modules):
-        return _execute(name, spec)
+        return _originals.execute(name, spec)
     module = importlib.util.module_from_spec(spec)
-    _grafts[name] = _graft.execute_onto(stock, module, spec.loader.exec_module)
-    return module
-
-
-def exec_onto_stock(module: types.ModuleType, exec_module: Callable[[types.ModuleType], None]) -> None:
-    """Execute a module served with ``keep_classes`` that is first imported while active (the finder's loader):
-    torch's file first, kept as the original for deactivation, then ours into ``module``, onto its classes. Imported
-    again while active (a reload, or after its entry left ``sys.modules``), it goes onto the same original's classes
-    again, so that deactivation restores the classes that other modules hold."""
-    with _lock:
-        name = module.__name__
-        stock = _originals.get(name)
-        if stock is None:
-            stock = _execute(name, _stock_spec(name))
-        _ungraft(name)
-        _grafts[name] = _graft.execute_onto(stock, module, exec_module)
-        _originals[name] = stock
-
-
-def _ungraft(name: str) -> None:
-    graft = _grafts.pop(name, None)
-    if graft is not None:
-        graft.undo()
-
-
-def _stock_spec(name: str) -> ModuleSpec | None:
-    parent = sys.modules[name.rpartition(".")[0]]
-    return importlib.machinery.PathFinder.find_spec(name, parent.__path__)
-
-
-def _execute(name: str, spec: ModuleSpec | None) -> types.ModuleType:
-    if spec is None or spec.loader is None:
-        raise ImportError(f"torch_overlay: cannot find a source for {name}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    _originals.grafts[name] = _graft.execute_onto(stock, module, spec.loader.exec_module)
     return module
 
 
@@ -320,9 +304,9 @@ def _reexecute(
     try:
         for name in names:
             current = sys.modules[name]
-            new = _originals.get(name)
+            new = _originals.modules.get(name)
             if new is None:
-                new = _execute(name, _stock_spec(name))
+                new = _originals.execute(name, _originals.stock_spec(name))
                 for attr in set(vars(current)) - set(vars(new)):
                     was = getattr(current, attr)
                     if isinstance(was, types.ModuleType) and was.__name__ == f"{name}.{attr}":
@@ -365,7 +349,7 @@ def _swap(
         fresh = new_globals.get(attr)
         if type(value) is list and type(fresh) is list and not attr.startswith("__") and all(x in value for x in fresh):
             new_globals[attr] = value
-    untouchable = {id(old), id(new)} | {id(m) for m in _originals.values()} | set(keep)
+    untouchable = {id(old), id(new)} | {id(m) for m in _originals.modules.values()} | set(keep)
     untouchable |= {id(sys.modules.get(m.name)) for m in manifest.runtime_modules}
     for module in list(sys.modules.values()):
         if not isinstance(module, types.ModuleType) or id(module) in untouchable:

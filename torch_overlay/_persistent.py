@@ -2,8 +2,8 @@
 
 ``site`` executes ``import`` lines of ``.pth`` files at every interpreter start, so every process of the
 environment (``spawn`` children and torchrun ranks included) runs ``_startup.boot()`` without code changes.
-The line itself guards everything: ``TORCH_OVERLAY=0`` skips even importing this package, and a missing or
-broken package costs one line on stderr instead of a traceback from ``site``.
+The line itself guards everything: ``TORCH_OVERLAY=0`` (``off``, ``false``, ``no``) skips even importing this
+package, and a missing or broken package costs one line on stderr instead of a traceback from ``site``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ import sysconfig
 from pathlib import Path
 
 from torch_overlay._atomic import write_atomically
+from torch_overlay._env import ENV_VAR, OFF_VALUES
 from torch_overlay._guard import require_base
 
 HOOK_FILE_NAME = "torch_overlay_startup.pth"
 
 # NOTE: CPython 3.11 runs the .pth files of a virtual environment twice at start-up (once from site.venv());
 # the marker on ``sys`` keeps the hook to one run and one warning per interpreter.
-_HOOK_CODE = """\
-if os.environ.get("TORCH_OVERLAY", "").strip() != "0" and not getattr(sys, "_torch_overlay_hook_ran", False):
+_HOOK_CODE = f"""\
+off = os.environ.get({ENV_VAR!r}, "").strip().lower() in {OFF_VALUES!r}
+if not off and not getattr(sys, "_torch_overlay_hook_ran", False):
     sys._torch_overlay_hook_ran = True
     try:
         from torch_overlay._startup import boot

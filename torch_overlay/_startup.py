@@ -1,5 +1,5 @@
 """The start-up hook: what the ``.pth`` file of a persistent install (and the test suite's boot directory)
-runs in every new interpreter.
+runs in every new interpreter, as the ``TORCH_OVERLAY`` variable (:mod:`torch_overlay._env`) says.
 
 It must never break interpreter start-up, must not import torch, and must cost next to nothing in programs
 that never use torch, so it only puts the overlay's finder in place; the base is verified at the first import
@@ -8,26 +8,31 @@ of a replaced module (see ``_finder.OverlayFinder``).
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
+from torch_overlay._env import EnvMode, EnvValueError, env_mode
 from torch_overlay._finder import OverlayFinder, installed_finder
-
-ENV_VAR = "TORCH_OVERLAY"
-
-
-def disabled_by_env() -> bool:
-    """``TORCH_OVERLAY=0`` turns the overlay off for one process (and the children that inherit it)."""
-    return os.environ.get(ENV_VAR, "").strip() == "0"
 
 
 def boot() -> None:
-    """Activate the overlay lazily unless ``TORCH_OVERLAY=0``; never raises, warns at most once."""
-    if disabled_by_env():
-        return
+    """Activate the overlay lazily as ``TORCH_OVERLAY`` says; warns at most once.
+
+    It raises only where the variable asks for failure: under ``TORCH_OVERLAY=require``, a replaced module imported
+    before the hook ran and a torch the overlay cannot serve. An invalid value makes the first import of a replaced
+    module raise, naming the values it takes, rather than start-up.
+    """
     try:
-        finder = OverlayFinder(guard_on_first_use=True)
+        mode = env_mode()
+    except EnvValueError as e:
+        if installed_finder() is None:
+            sys.meta_path.insert(0, OverlayFinder.refusing(str(e)))
+        return
+    if mode is EnvMode.OFF:
+        return
+    strict = mode is EnvMode.REQUIRE
+    try:
+        finder = OverlayFinder(guard_on_first_use=True, strict=strict)
         if any(name in sys.modules for name in finder.module_names):
             # Imported before the hook ran (a test runner's plugins, say): swap them, checking the base now.
             from torch_overlay._loader import activate
@@ -35,7 +40,9 @@ def boot() -> None:
             activate(guard_on_first_use=True)
         elif installed_finder() is None:
             sys.meta_path.insert(0, finder)
-    except Exception as e:  # start-up must go on whatever happened
+    except Exception as e:  # start-up must go on whatever happened, unless the user asked for failure
+        if strict:
+            raise
         warnings.warn(
             f"torch_overlay: the start-up hook did not activate the overlay: {e}", RuntimeWarning, stacklevel=2
         )

@@ -6,12 +6,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch_overlay import __version__
+from torch_overlay._env import ENV_VAR, EnvMode, EnvValueError, env_mode
 from torch_overlay._fork import ForkState, active_state
 from torch_overlay._guard import BaseCheck, BaseMismatchError, check_base
 from torch_overlay._loader import ProcessState, process_state
 from torch_overlay._manifest import load_manifest
 from torch_overlay._persistent import hook_is_current, installed_hook
-from torch_overlay._startup import ENV_VAR
 
 
 @dataclass(frozen=True)
@@ -22,20 +23,24 @@ class OverlayStatus:
     persistent_hook: Path | None
     persistent_hook_current: bool
     env_value: str | None
+    env_error: str | None
+    """Why ``TORCH_OVERLAY`` holds a value the overlay does not take, else None."""
     process: ProcessState
     fork: ForkState | None = None
     """Fork mode's state when the series is applied in place to the installed torch, else None."""
 
     @property
     def ok(self) -> bool:
-        """The base matches and the persistent hook, if any, is the one this package writes."""
-        hook_ok = self.persistent_hook is None or self.persistent_hook_current
-        return self.base is not None and self.base.ok and hook_ok
+        """The base matches (or fork mode patched it), the persistent hook, if any, is the one this package writes,
+        and ``TORCH_OVERLAY`` holds a value it takes: ``--status`` and ``--check`` exit 1 otherwise."""
+        return not self.problems()
 
     def problems(self) -> list[str]:
         lines = [self.base_error] if self.base_error else []
-        if self.base is not None:
+        if self.base is not None and self.fork is None:  # fork mode's files are the patched ones, on purpose
             lines += self.base.problems()
+        if self.env_error is not None:
+            lines.append(self.env_error)
         if self.persistent_hook is not None and not self.persistent_hook_current:
             lines.append(
                 f"{self.persistent_hook} is not the hook this torch-overlay writes; "
@@ -45,7 +50,7 @@ class OverlayStatus:
 
     def format(self) -> str:
         """The table ``python -m torch_overlay.activate --status`` prints."""
-        rows = []
+        rows = [("torch-overlay", f"{__version__} at {Path(__file__).parent}")]
         if self.base is not None:
             rows.append(("torch", f"{self.base.found_version} at {self.base.torch_dir}"))
             if self.fork is not None:  # the files are the patched ones, on purpose
@@ -65,10 +70,7 @@ class OverlayStatus:
         rows.append(("persistent", f"installed ({hook})" if hook else "not installed"))
         fork = self.fork
         rows.append(("fork mode", f"applied ({len(fork.patches)} patches in place)" if fork else "not applied"))
-        env = "unset" if self.env_value is None else self.env_value
-        if self.env_value is not None and self.env_value.strip() == "0":
-            env += " (start-up hook off for this process)"
-        rows.append((ENV_VAR, env))
+        rows.append((ENV_VAR, self._env_row()))
         if self.process.active and not self.process.base_checked:
             process = "active (the base is checked at the first import of a replaced module)"
         elif self.process.active:
@@ -87,6 +89,19 @@ class OverlayStatus:
             lines.append(f"warning: {self.base.warning}")
         return "\n".join(lines)
 
+    def _env_row(self) -> str:
+        if self.env_error is not None:
+            return f"{self.env_value} (not a value it takes: see the problem below)"
+        mode = env_mode()
+        row = {
+            EnvMode.DEFAULT: "unset" if not (self.env_value or "").strip() else f"{self.env_value!r} (as unset)",
+            EnvMode.OFF: f"{self.env_value} (off: the start-up hook and activate() do nothing in this process)",
+            EnvMode.REQUIRE: f"{self.env_value} (strict: where the overlay cannot serve, importing torch raises)",
+        }[mode]
+        if self.fork is not None:
+            row += "; fork mode ignores it (the series is applied in place: `torch-overlay revert-patches`)"
+        return row
+
 
 def status() -> OverlayStatus:
     try:
@@ -101,5 +116,14 @@ def status() -> OverlayStatus:
         persistent_hook_current=hook is not None and hook_is_current(hook),
         fork=active_state(base.torch_dir if base is not None else None),
         env_value=os.environ.get(ENV_VAR),
+        env_error=_env_error(),
         process=process_state(),
     )
+
+
+def _env_error() -> str | None:
+    try:
+        env_mode()
+    except EnvValueError as e:
+        return str(e)
+    return None

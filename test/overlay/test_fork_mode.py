@@ -148,6 +148,17 @@ torch-overlay: fork mode already applied (1 patches; nothing changed)
         self.assertIn("fork mode:     applied (1 patches in place)", status)
         files = len(load_manifest().modules)
         self.assertIn(f"base:          torch {self.version}, {files} files: patched by fork mode", status)
+        self.assertNotIn("problem:", status, "fork mode's patched files are no mismatch")
+        # TORCH_OVERLAY=0 cannot turn fork mode off (its files are torch's): status and activate() say so, and
+        # require_active() counts fork mode as serving the change.
+        ignored = "fork mode ignores it (the series is applied in place: `torch-overlay revert-patches`)"
+        self.assertIn(f"TORCH_OVERLAY: 0 (off: the start-up hook and activate() do nothing in this process); {ignored}",
+                      status)  # fmt: skip
+        script = "import torch_overlay; torch_overlay.activate(); torch_overlay.require_active(); print('served')"
+        off = self.run_scratch("-W", "always", "-c", script)
+        self.assertEqual(off.stdout, "served\n", off.stderr)
+        self.assertIn("torch_overlay.activate() ignored: TORCH_OVERLAY=0 is set; but fork mode is applied to the "
+                      "installed torch, and the variable does not turn it off", off.stderr)  # fmt: skip
         self.assertExpectedInline(
             self.cli("check"),
             """\
@@ -181,7 +192,9 @@ torch-overlay: check failed: fork mode is applied (1 patches in place), so the i
         with mock.patch.object(_fork, "installed_hook", return_value=Path("/x/torch_overlay_startup.pth")):
             self.assert_refused("the overlay is active persistently (/x/torch_overlay_startup.pth)")
         with mock.patch.object(_fork.os, "access", return_value=False):
-            self.assert_refused("is not writable")
+            # What works where torch cannot be written: in-process activation, which writes nothing.
+            self.assert_refused("is not writable. Nothing was changed. Use the overlay in the process instead, which "
+                                "writes nothing: `import torch_overlay; torch_overlay.activate()`")  # fmt: skip
         target = self.torch_dir.parent / WARNING_FILE
         original = target.read_bytes()
         target.unlink()

@@ -14,6 +14,7 @@ from pathlib import Path
 from expecttest import TestCase
 from scratch_env import PROBE, REPO_ROOT, ScratchVenv, clean_env, probe, run, tamper, torch_tree
 
+import torch_overlay
 from torch_overlay._guard import check_base
 from torch_overlay._manifest import load_manifest
 from torch_overlay._persistent import hook_text
@@ -61,7 +62,8 @@ class PersistentHookTest(TestCase):
         off = probe(self.venv.python, env=clean_env(TORCH_OVERLAY="0"))
         self.assertTrue(off["here"]["warning_stock"], off)
 
-        status = self.cli("--status").stdout.replace(str(self.root), "<tmp>")
+        status = self.cli("--status").stdout.replace(str(self.root), "<tmp>").replace(str(REPO_ROOT), "<repo>")
+        status = status.replace(f"torch-overlay: {torch_overlay.__version__} ", "torch-overlay: <version> ")
         status = re.sub(r"torch: .*\n", "torch: <version> at <path>\n", status)
         status = status.replace(f"torch {check_base().matched.version},", "torch <base>,")
         # What is served and on which bases comes from the manifest: every runtime module, one row each.
@@ -77,6 +79,7 @@ class PersistentHookTest(TestCase):
         self.assertExpectedInline(
             status,
             """\
+torch-overlay: <version> at <repo>/torch_overlay
 torch: <version> at <path>
 base:          torch <base>, <n> files: matches
 bases:         <bases>
@@ -118,6 +121,11 @@ this process:  active (the base is checked at the first import of a replaced mod
         warnings = [line for line in result.stderr.splitlines() if "torch_overlay" in line]
         self.assertEqual(len(warnings), 1, result.stderr)
         self.assertIn("the overlay is NOT active in this process", warnings[0])
+        # A script can test it: --status and --check exit 1 on a mismatch.
+        for flag in ("--status", "--check"):
+            status = self.cli(flag, env=clean_env(PYTHONPATH=str(self.root / "tree")))
+            self.assertEqual(status.returncode, 1, status.stdout + status.stderr)
+            self.assertIn(UNSHARD.path, status.stdout + status.stderr)
 
     def test_hook_serves_an_unlisted_release_with_the_base_files_and_one_warning(self):
         self.assertEqual(self.cli().returncode, 0)
@@ -154,6 +162,93 @@ this process:  active (the base is checked at the first import of a replaced mod
             self.assertEqual(len(lines), 1, result.stderr)
             self.assertIn("torch_overlay: start-up hook", lines[0])
             self.assertIn("did nothing", lines[0])
+
+
+class EnvVariableTest(TestCase):
+    """TORCH_OVERLAY takes the documented values only, and each does what the README says, under the persistent
+    hook: unset (served), 0/off/false/no in any case (stock), require (served, or importing torch raises where it
+    cannot be), anything else (importing torch and activate() raise, naming the values)."""
+
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.root = Path(self._tmp.name)
+        self.venv = ScratchVenv(self.root / "venv")
+        installed = run([self.venv.python, "-m", "torch_overlay.activate"])
+        self.assertEqual(installed.returncode, 0, installed.stderr)
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def python(self, code: str, value: str, tree: Path | None = None) -> subprocess.CompletedProcess:
+        env = clean_env(TORCH_OVERLAY=value, **({"PYTHONPATH": str(tree.parent)} if tree else {}))
+        return run([self.venv.python, "-W", "always", "-c", code], env=env)
+
+    def test_each_value_does_what_it_says(self):
+        for value, served in (("", True), ("0", False), ("Off", False), ("false", False), ("no", False)):
+            with self.subTest(value=value):
+                report = probe(self.venv.python, env=clean_env(TORCH_OVERLAY=value))
+                self.assertEqual(report["here"]["warning_fixed"], served, report)
+                self.assertEqual(report["here"]["warning_stock"], not served, report)
+        report = probe(self.venv.python, env=clean_env(TORCH_OVERLAY="require"))
+        self.assertTrue(report["here"]["warning_fixed"], report)
+        for value in ("00", "1", "yes"):
+            with self.subTest(value=value):
+                accepted = f"torch_overlay: TORCH_OVERLAY={value!r} is not a value it takes: leave it unset"
+                imported = self.python("import torch", value)
+                self.assertNotEqual(imported.returncode, 0)
+                self.assertIn(f"NotServedError: {accepted}", imported.stderr)
+                self.assertIn("0, off, false, no (stock torch), or require", imported.stderr)
+                activated = self.python("import torch_overlay; torch_overlay.activate()", value)
+                self.assertIn(f"EnvValueError: {accepted}", activated.stderr)
+                status = run(
+                    [self.venv.python, "-m", "torch_overlay.activate", "--status"], clean_env(TORCH_OVERLAY=value)
+                )
+                self.assertEqual(status.returncode, 1)
+                self.assertIn(f"problem: {accepted}", status.stdout)
+
+    def test_require_raises_where_the_overlay_cannot_serve(self):
+        """A torch file changed under the installed hook, and a release that is not a base: the first import of a
+        replaced module raises under require (on stock torch, with one warning, by default)."""
+        changed = torch_tree(self.root / "changed", (UNSHARD.path.removeprefix("torch/"),))
+        tamper(Path(UNSHARD.upstream_file(changed)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        unlisted = torch_tree(self.root / "unlisted", (UNSHARD.path.removeprefix("torch/"),))
+        tamper(unlisted / "version.py", f"__version__ = '{check_base().found_version}'", "__version__ = '2.12.1'")
+        tamper(Path(UNSHARD.upstream_file(unlisted)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        for tree, why in ((changed, "its replaced files are not those of"), (unlisted, "torch 2.12.1 at ")):
+            with self.subTest(tree=tree.parent.name):
+                default = self.python("import torch; print('stock')", "", tree)
+                self.assertEqual(default.stdout, "stock\n", default.stderr)
+                self.assertIn("the overlay is NOT active in this process", default.stderr)
+                strict = self.python("import torch; print('stock')", "require", tree)
+                self.assertNotEqual(strict.returncode, 0)
+                self.assertEqual(strict.stdout, "")
+                self.assertIn(
+                    "NotServedError: torch_overlay: TORCH_OVERLAY=require is set, and the overlay cannot serve this "
+                    "process: ",
+                    strict.stderr,
+                )
+                self.assertIn(why, strict.stderr)
+                self.assertIn(UNSHARD.path, strict.stderr)
+
+    def test_require_active(self):
+        """One line in a training script: raises unless the overlay serves this process."""
+        script = "import torch, torch_overlay; torch_overlay.require_active(); print('served')"
+        self.assertEqual(self.python(script, "").stdout, "served\n")
+        off = self.python(script, "0")
+        self.assertIn("NotActiveError: torch_overlay: the overlay is not active in this process: TORCH_OVERLAY=0 "
+                      "turns it off. Activate it before building models", off.stderr)  # fmt: skip
+        changed = torch_tree(self.root / "changed", (UNSHARD.path.removeprefix("torch/"),))
+        tamper(Path(UNSHARD.upstream_file(changed)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
+        stood_down = self.python(script, "", changed)
+        self.assertIn("NotActiveError: torch_overlay: the overlay is not active in this process: it stood down: ",
+                      stood_down.stderr)  # fmt: skip
+        self.assertIn(UNSHARD.path, stood_down.stderr)
+        removed = run([self.venv.python, "-m", "torch_overlay.activate", "--revert"])
+        self.assertEqual(removed.returncode, 0, removed.stderr)
+        late = self.python(script, "")
+        self.assertIn("the overlay is not active in this process: it was not activated.", late.stderr)
+        activated = "import torch, torch_overlay; torch_overlay.activate(); torch_overlay.require_active(); print('ok')"
+        self.assertEqual(self.python(activated, "").stdout, "ok\n")
 
 
 class ClosedStdoutTest(unittest.TestCase):
