@@ -19,12 +19,15 @@ PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 install: $(VENV)/.installed
 
-# torch is installed first, pinned exactly; the package's own range (torch>=2.13,<2.16) is then already met.
+# torch is installed first, pinned exactly. Every install after it runs under a constraint file holding that pin
+# ($(VENV)/torch-constraint.txt), so a dependency that requires torch (lightning, in dev) can never upgrade,
+# downgrade or replace it: pip fails instead.
 $(VENV)/.installed: pyproject.toml torch_overlay/manifest.json
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==$(TORCH)"
-	$(PIP) install --quiet -e '.[dev]'
+	echo "torch==$(TORCH)" > $(VENV)/torch-constraint.txt
+	$(PIP) install --quiet -c $(VENV)/torch-constraint.txt -e '.[dev]'
 	$(PY) -c 'import sys, torch; v = torch.__version__.split("+")[0]; sys.exit(0 if v == "$(TORCH)" else f"{sys.prefix}: torch {v}, not $(TORCH)")'
 	touch $@
 
