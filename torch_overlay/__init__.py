@@ -2,7 +2,9 @@
 
 ``activate()`` puts our versions of the upstream modules that ``manifest.json`` lists in place in this process
 (before or after torch was imported), ``deactivate()`` restores the stock objects exactly, ``status()`` says
-what is active. For every process of an environment, use ``python -m torch_overlay.activate`` instead. The
+what is active, and ``require_active()`` raises unless the change serves this process. For every process of an
+environment, use ``python -m torch_overlay.activate`` instead; ``TORCH_OVERLAY`` (``0``, ``off``, ``false``, ``no``:
+off; ``require``: strict) rules both. The
 modules served and the torch releases (bases) they serve, read from the manifest when this package is
 imported, close this docstring.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from torch_overlay._env import ENV_VAR, EnvMode, env_mode
+from torch_overlay._env import ENV_VAR, EnvMode, EnvValueError, env_mode
 from torch_overlay._manifest import load_manifest
 
 __version__ = "0.2.0"
@@ -26,7 +28,9 @@ __all__ = [
     "activate",
     "BaseMismatchError",
     "deactivate",
+    "EnvValueError",
     "NotActiveError",
+    "NotServedError",
     "OverlayStatus",
     "require_active",
     "status",
@@ -41,7 +45,8 @@ def activate() -> None:
     in the manifest, and :class:`SubclassedError` when a class the overlay serves (``DistributedDataParallel``)
     was already subclassed outside torch. ``TORCH_OVERLAY=0`` (or ``off``, ``false``, ``no``) in the environment
     wins: it leaves stock torch in place (with a warning), so one variable is enough to rule the overlay out while
-    debugging. Any value of it but those, ``require`` and none raises ``ValueError``, naming the values it takes.
+    debugging. Any value of it but those, ``require`` and none raises :class:`EnvValueError` (a ``ValueError``),
+    naming the values it takes.
     """
     if env_mode() is EnvMode.OFF:
         warnings.warn(_off_warning(), RuntimeWarning, stacklevel=2)
@@ -110,6 +115,10 @@ def __getattr__(name: str) -> object:
         from torch_overlay import _loader
 
         return getattr(_loader, name)
+    if name == "NotServedError":
+        from torch_overlay._finder import NotServedError
+
+        return NotServedError
     if name in ("OverlayStatus", "status"):
         from torch_overlay import _status
 

@@ -37,7 +37,7 @@ def boot() -> None:
             # Imported before the hook ran (a test runner's plugins, say): swap them, checking the base now.
             from torch_overlay._loader import activate
 
-            activate(guard_on_first_use=True)
+            activate(guard_on_first_use=True, strict=strict)
         elif installed_finder() is None:
             sys.meta_path.insert(0, finder)
     except Exception as e:  # start-up must go on whatever happened, unless the user asked for failure
