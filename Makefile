@@ -66,7 +66,8 @@ example: install
 		$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/tp_ddp_train.py
 
 # The README's quick start as a new user follows it: a fresh venv (removed after) holding only torch $(TORCH), pinned,
-# then the quick start's commands as written, from `pip install` to the example's "OK: ..." line. No dev venv needed.
+# then the quick start's commands as written, from `pip install` to the example's "OK: ..." line; then its install
+# line in a venv whose torch is not a base, which must leave that torch alone and refuse to activate. No dev venv.
 quickstart:
 	$(PYTHON) -m tools.quickstart --torch $(TORCH)
 
