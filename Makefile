@@ -88,7 +88,7 @@ check: install sources
 # Every prefix of the installed base's series applied to its pristine files, its touched modules imported and the
 # tests of every patch it applies run, all served from a scratch copy; then the stack rules on the upstream series.
 # CHECK_STACK_ARGS=--import-only skips the tests, --test-last runs them at the last prefix only (CI), --rules-only
-# skips everything but the rules; --table prints the README's stack table.
+# skips everything but the rules; --table prints docs/patches.md's stack table.
 check-stack: install sources
 	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) $(CHECK_STACK_ARGS)
 
@@ -109,7 +109,7 @@ revert-patches: install
 
 # One commit per patch on a branch of a PyTorch checkout, by your git identity, then `ghstack submit $(GHSTACK_ARGS)`.
 # GHSTACK_OFFLINE=1: no checkout, no network; prints the PRs it would push, from ghstack's fake GitHub.
-# NO_SUBMIT=1: build the branch only (then rebase it onto upstream main and `ghstack submit`; README, "ghstack").
+# NO_SUBMIT=1: build the branch only (then rebase it onto upstream main and `ghstack submit`; docs/patches.md, "ghstack").
 ghstack: install
 	$(PY) -m tools.ghstack_export $(if $(GHSTACK_OFFLINE),--offline,--pytorch-dir "$(PYTORCH_DIR)") \
 		$(if $(BASE),--base $(BASE)) $(if $(NO_SUBMIT),--no-submit) -- $(GHSTACK_ARGS)

@@ -66,7 +66,7 @@ def requirement_problems(project: Project) -> list[str]:
         return []
     return [
         f"pyproject.toml: the dependency {found!r} must go: pip would install, upgrade or downgrade the user's torch "
-        "to meet it; the guard checks the release at activation (README, 'Install')"
+        "to meet it; the guard checks the release at activation (docs/activation.md, 'Install')"
     ]
 
 
@@ -96,7 +96,7 @@ def transplanted(ours: bytes, payload_base: bytes, content: bytes, path: str, ba
     if conflicts:
         raise PatchError(
             f"{path}: our change does not merge cleanly onto torch {base.version}'s file ({conflicts} "
-            "conflicting hunks); the one payload cannot serve this base (README, 'Add a torch release')"
+            "conflicting hunks); the one payload cannot serve this base (docs/patches.md, 'Add a torch release')"
         )
     return merged
 
@@ -186,7 +186,7 @@ def code_problems(project: Project, found: Pristine, base: Base) -> list[str]:
             problems.append(
                 f"torch {base.version}: {m.path}: code sha256 {digest}, but manifest.json's code_sha256 for "
                 f"{m.name} is {m.code_sha256}: every base's file must have that code (comments aside) for the one "
-                "payload to serve it (README, 'Add a torch release')"
+                "payload to serve it (docs/patches.md, 'Add a torch release')"
             )
     return problems
 

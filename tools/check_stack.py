@@ -16,7 +16,7 @@ Then the stack rules (:mod:`tools.stack_rules`) are checked on every patch of th
 patch may remove lines an earlier one added unless its message names that patch.
 
     python -m tools.check_stack [--import-only | --test-last] [--rules-only] [--wheel TORCH_WHEEL_OR_DIR ...]
-    python -m tools.check_stack --table   # the README's table of the upstream stack
+    python -m tools.check_stack --table   # docs/patches.md's table of the upstream stack
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def rule_violations(project: Project) -> list[str]:
 
 
 def stack_table(project: Project) -> str:
-    """The README's table of the upstream stack (markdown): one row per patch, in order."""
+    """docs/patches.md's table of the upstream stack (markdown): one row per patch, in order."""
     rows = ["| # | title | changed lines (code / with tests) | Fixes | tests |", "|---|---|---|---|---|"]
     for entry in stack(project):
         fixes = ", ".join(
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "--test-last", action="store_true", help="apply and import every prefix; run every patch's tests at the last"
     )
     parser.add_argument("--rules-only", action="store_true", help="check the stack rules only")
-    parser.add_argument("--table", action="store_true", help="print the README's stack table (markdown) and exit")
+    parser.add_argument("--table", action="store_true", help="print docs/patches.md's stack table (markdown) and exit")
     parser.add_argument(
         "--wheel", type=Path, action="append", default=[], help="a torch wheel or site-packages-like directory"
     )
@@ -421,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"stack rule broken: {problem}")
     if problems:
-        print(f"check-stack: {len(problems)} stack rule violations in the upstream series (README, 'Patches')")
+        print(
+            f"check-stack: {len(problems)} stack rule violations in the upstream series "
+            "(docs/patches.md, 'Stack check')"
+        )
     else:
         print("check-stack: every patch of the upstream series meets the stack rules")
     return 1 if failed or problems else 0

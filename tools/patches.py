@@ -75,14 +75,14 @@ def read_upstream_edit(project: Project, patches: list[Patch], patch: Patch, pat
         )
         raise PatchError(
             f"{file}: patch {patch.name!r} lists {path} in upstream_test_edits, but this diff cannot be read "
-            f"({e.strerror}).\n{scheme}: add it, or drop the path (README, 'Patches')"
+            f"({e.strerror}).\n{scheme}: add it, or drop the path (docs/patches.md, 'Upstream test edits')"
         ) from e
     match = _UPSTREAM_BASE_RE.match(text)
     diff = text[match.end() :] if match else ""
     if not match or not diff.startswith(f"diff --git a/{path} b/{path}\n"):
         raise PatchError(
             f"{file}: expected a first line 'Upstream-Base: pytorch/pytorch@<commit>' and then "
-            f"'diff --git a/{path} b/{path}' (see README, 'Patches')"
+            f"'diff --git a/{path} b/{path}' (see docs/patches.md, 'Upstream test edits')"
         )
     return UpstreamEdit(path, match.group(1), diff, file)
 
@@ -113,7 +113,7 @@ def chain_problems(project: Project, chain: list[UpstreamEdit]) -> list[str]:
         if not (old.startswith(new) or new.startswith(old)):
             problems.append(
                 f"{where}: its old side (blob {old}) is not the new side (blob {new}) of {earlier}; make it with "
-                "`git diff` from the file as the earlier diff leaves it (README, 'Patches')"
+                "`git diff` from the file as the earlier diff leaves it (docs/patches.md, 'Upstream test edits')"
             )
     return problems
 
@@ -131,7 +131,10 @@ def new_side_problems(project: Project, edit: UpstreamEdit, local: Path) -> list
     where = edit.file.relative_to(project.root)
     blobs = edit.blobs()
     if blobs is None:
-        return [f"{where}: no 'index <old>..<new>' line; regenerate it with `git diff` (README, 'Patches')"]
+        return [
+            f"{where}: no 'index <old>..<new>' line; regenerate it with `git diff` "
+            "(docs/patches.md, 'Upstream test edits')"
+        ]
     found, new = blob_id(local.read_bytes()), blobs[1]
     if found.startswith(new):
         return []

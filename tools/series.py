@@ -188,7 +188,7 @@ def load_snapshots(series_toml: Path, patches: list[Patch]) -> dict[tuple[str, s
             except OSError as e:
                 raise SeriesError(
                     f"{file}: patch {patch.name!r} lists {path} in snapshots, but it cannot be read ({e.strerror}); "
-                    "add the file as that patch leaves it, or drop it from snapshots (README, 'Patches')"
+                    "add the file as that patch leaves it, or drop it from snapshots (docs/patches.md, 'Snapshots')"
                 ) from e
     return out
 

@@ -45,7 +45,7 @@ def transplants(project: Project, found: Pristine) -> dict[Path, bytes]:
                 raise TransplantError(
                     f"{target.relative_to(project.root)}: our change in torch_overlay/{m.path} does not merge "
                     f"cleanly onto torch {version}'s file ({conflicts} conflicting hunks); keep it off the lines "
-                    f"torch {version} has otherwise, or drop torch {version} (README, 'Supported torch releases')"
+                    f"torch {version} has otherwise, or drop torch {version} (docs/patches.md, 'Add a torch release')"
                 )
             out[target] = merged
     return out

@@ -115,7 +115,7 @@ class BaseCheck:
         return (
             f"Install a supported release (`pip install torch=={self.manifest.payload_base.version}`), or add "
             "this one in a torch-overlay checkout with `make rebase UPSTREAM=<its wheel or site-packages>` "
-            "(README, 'Add a torch release')."
+            "(docs/patches.md, 'Add a torch release')."
         )
 
 

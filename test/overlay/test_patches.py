@@ -244,7 +244,7 @@ Run `make sources` (downloads the missing bases' wheels), or `make install TORCH
         self.project.pyproject.write_text('[project]\nname = "fake"\ndependencies = ["torch>=9.8,<9.10"]\n')
         self.assertExpectedInline(
             "\n".join(self.check()),
-            """pyproject.toml: the dependency 'torch>=9.8,<9.10' must go: pip would install, upgrade or downgrade the user's torch to meet it; the guard checks the release at activation (README, 'Install')""",  # noqa: E501
+            """pyproject.toml: the dependency 'torch>=9.8,<9.10' must go: pip would install, upgrade or downgrade the user's torch to meet it; the guard checks the release at activation (docs/activation.md, 'Install')""",  # noqa: E501
         )
 
     def test_backports_come_last(self) -> None:
@@ -265,7 +265,7 @@ Run `make sources` (downloads the missing bases' wheels), or `make install TORCH
         manifest.write_text(manifest_text({"9.8.0": older, "9.9.0": BASE}))
         self.assertExpectedInline(
             "\n".join(self.check()),
-            """torch 9.8.0: torch/fake/alpha.py: our change does not merge cleanly onto torch 9.8.0's file (1 conflicting hunks); the one payload cannot serve this base (README, 'Add a torch release')""",  # noqa: E501
+            """torch 9.8.0: torch/fake/alpha.py: our change does not merge cleanly onto torch 9.8.0's file (1 conflicting hunks); the one payload cannot serve this base (docs/patches.md, 'Add a torch release')""",  # noqa: E501
         )
 
     def runtime_alpha(self, old_alpha: str) -> None:
@@ -292,7 +292,7 @@ Run `make sources` (downloads the missing bases' wheels), or `make install TORCH
             [
                 f"torch 9.8.0: torch/fake/alpha.py: code sha256 {found}, but manifest.json's code_sha256 for "
                 f"torch.fake.alpha is {claimed}: every base's file must have that code (comments aside) for the one "
-                "payload to serve it (README, 'Add a torch release')"
+                "payload to serve it (docs/patches.md, 'Add a torch release')"
             ],
         )
 
@@ -559,7 +559,7 @@ a patch undoes another's change:
                 f"ROOT/{edits}.extend.diff: patch 'extend' lists test/fake/test_upstream.py in upstream_test_edits, "
                 "but this diff cannot be read (No such file or directory).",
                 f"several patches edit test/fake/test_upstream.py, so each has its own {edits}.<patch>.diff: add it, "
-                "or drop the path (README, 'Patches')",
+                "or drop the path (docs/patches.md, 'Upstream test edits')",
             ],
         )
 
@@ -578,7 +578,7 @@ a patch undoes another's change:
                 f"{second}: Upstream-Base pytorch/pytorch@def456, but {first} has pytorch/pytorch@abc123; make them "
                 "equal",
                 f"{second}: its old side (blob 560efe4) is not the new side (blob c4c6a31) of {first}; make it with "
-                "`git diff` from the file as the earlier diff leaves it (README, 'Patches')",
+                "`git diff` from the file as the earlier diff leaves it (docs/patches.md, 'Upstream test edits')",
             ],
         )
 

@@ -165,7 +165,7 @@ this process:  active (the base is checked at the first import of a replaced mod
 
 
 class EnvVariableTest(TestCase):
-    """TORCH_OVERLAY takes the documented values only, and each does what the README says, under the persistent
+    """TORCH_OVERLAY takes the documented values only, and each does what docs/activation.md says, under the persistent
     hook: unset (served), 0/off/false/no in any case (stock), require (served, or importing torch raises where it
     cannot be), anything else (importing torch and activate() raise, naming the values)."""
 
