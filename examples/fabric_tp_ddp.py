@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 4 examples/fabric_tp_ddp.py [--steps 4] [--checkpoint-dir DIR]
     python examples/fabric_tp_ddp.py            # the same: Fabric starts the 4 processes itself
 
-Needs `pip install lightning` (it never needs another torch: install it with a constraint file holding your torch,
-`pip install -c <(echo torch==$(python -c 'import torch; print(torch.__version__)')) lightning`).
+Needs lightning, which must not replace your torch: pin torch's installed version (`pip show torch`) in a constraint
+file, `pip install -c torch-pin.txt lightning expecttest numpy` (docs/recipes.md shows how; expecttest: torch's
+testing modules, where the model comes from, import it; numpy: DCP's object collectives).
 
 The model is upstream's test Transformer (torch.testing._internal.distributed._tensor.common_dtensor), built on the
 meta device by `fabric.init_module(empty_init=True)`. Fabric's strategy calls `parallelize_fn(model, mesh)` with a

@@ -187,7 +187,7 @@ def build(mesh, device: torch.device, seed: int) -> tuple[nn.Module, torch.optim
     with torch.device("meta"):
         model = Transformer(ARGS)
     parallelize(model, mesh["tp"])
-    replicate(model, device_mesh=mesh["dp"])
+    replicate(model, device_mesh=mesh["dp"], bucket_cap_mb=100)  # torchtitan's apply_ddp
     model.to_empty(device=device)
     torch.manual_seed(seed)  # the same on every rank: TP's ranks initialize one model
     model.init_weights()
