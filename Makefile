@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 
 .PHONY: install sources test test-stock test-overlay lint apply-overlay revert-overlay status check clean patches bench-tp-ddp \
-	bench-unshard bench-clip bench-foreach apply-patches revert-patches ghstack rebase check-stack example quickstart
+	bench-unshard bench-clip bench-foreach apply-patches revert-patches ghstack rebase check-stack example recipes quickstart
 
 install: $(VENV)/.installed
 
@@ -64,6 +64,14 @@ lint: install
 example: install
 	PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
 		$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/tp_ddp_train.py
+
+# The recipes (docs/recipes.md), Lightning Fabric's and the torchtitan-style one, as `make example` runs the example: 4
+# CPU ranks, the overlay for this command only. The Fabric recipe needs lightning (in the dev extra).
+recipes: install
+	for recipe in fabric_tp_ddp titan_style_tp_replicate; do \
+		PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
+			$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/$$recipe.py || exit 1; \
+	done
 
 # The README's quick start as a new user follows it: a fresh venv (removed after) holding only torch $(TORCH), pinned,
 # then the quick start's commands as written, from `pip install` to the example's "OK: ..." line; then its install
