@@ -29,6 +29,7 @@ __all__ = [
     "BaseMismatchError",
     "deactivate",
     "EnvValueError",
+    "LiveInstancesError",
     "NotActiveError",
     "NotServedError",
     "OverlayStatus",
@@ -111,7 +112,7 @@ def __getattr__(name: str) -> object:
         from torch_overlay._guard import BaseMismatchError
 
         return BaseMismatchError
-    if name in ("NotActiveError", "SubclassedError"):
+    if name in ("LiveInstancesError", "NotActiveError", "SubclassedError"):
         from torch_overlay import _loader
 
         return getattr(_loader, name)

@@ -16,20 +16,25 @@ registered on a model, a closure) keep whatever they captured; that is why activ
 are built.
 
 A class defined in a swapped module is a new class after the swap, and a subclass keeps the base it was
-defined on. Torch's own subclasses (``torch.nn.parallel.DistributedDataParallelCPU``) are handled like the
-manifest modules: their module is executed afresh, from torch's file, after the swap, so it subclasses the
-class now served. A subclass defined anywhere else (the user's) cannot be redefined: activation and
-deactivation then refuse, having changed nothing (:class:`SubclassedError`).
+defined on. Torch's own subclasses are handled like the manifest modules: their module is executed afresh, from
+torch's file, after the swap, so it subclasses the class now served. A subclass defined anywhere else (the
+user's) cannot be redefined: activation and deactivation then refuse, having changed nothing
+(:class:`SubclassedError`).
 
-A module served with ``keep_classes`` (a file whose classes other modules hold: FSDP's ``_flat_param.py``) keeps
-the stock class objects instead: the overlay file is executed onto them (:mod:`torch_overlay._graft`), so its
-classes are the stock ones with the overlay's class bodies, and deactivation restores their namespaces. A
-subclass, anyone's, then gets the change and needs nothing. First imported while active, such a module is
-executed from torch's file first, then from ours onto it, so that deactivation gives back the same classes.
+A module served with ``keep_classes`` (a file whose classes other modules and users hold: DDP's
+``distributed.py``, FSDP's ``_flat_param.py``) keeps the stock class objects instead: the overlay file is executed
+onto them (:mod:`torch_overlay._graft`), so its classes are the stock ones with the overlay's class bodies, and
+deactivation restores their namespaces. A subclass, anyone's, and a class captured before activation (a
+framework's registry) then get the change and need nothing. First imported while active, such a module is
+executed from torch's file first, then from ours onto it, so that deactivation gives back the same classes. An
+object keeps its class, so one built by one version runs the other's methods after a swap: where that cannot
+work (``refuse_live_instances`` in the manifest: DDP, whose ``__init__`` builds the reducer its methods expect),
+activation and deactivation refuse while one is alive (:class:`LiveInstancesError`).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -69,6 +74,10 @@ class ProcessState:
 
 class SubclassedError(RuntimeError):
     """A class the swap would replace has a subclass outside torch; nothing was changed."""
+
+
+class LiveInstancesError(RuntimeError):
+    """Objects of a served class that work only with the version that built them are alive; nothing was changed."""
 
 
 class NotActiveError(RuntimeError):
@@ -125,6 +134,35 @@ def dependents(modules: list[types.ModuleType], manifest: Manifest, activating: 
     return found
 
 
+def refuse_live_instances(modules: list[types.ModuleType], manifest: Manifest, activating: bool) -> None:
+    """Raise :class:`LiveInstancesError` if an object of a class that the manifest lists under
+    ``refuse_live_instances`` for one of ``modules`` is alive: built by one version, it would run the other's
+    methods."""
+    listed = {m.name: m.refuse_live_instances for m in manifest.runtime_modules if m.refuse_live_instances}
+    classes = tuple(getattr(module, name) for module in modules for name in listed.get(module.__name__, ()))
+    if not classes:
+        return
+    gc.collect()  # an unreachable model is no reason to refuse
+    # NOTE: type(), not isinstance(): isinstance() reads ``__class__``, which some lazy objects compute.
+    alive = [type(o) for o in gc.get_objects() if issubclass(type(o), classes)]
+    if not alive:
+        return
+    names = ", ".join(sorted({f"{c.__module__}.{c.__qualname__}" for c in alive}))
+    if activating:
+        what, fix = "before activation, and would run the overlay's methods on what stock torch built", (
+            "Activate before wrapping models: `python -m torch_overlay.activate` (every process), or "
+            "torch_overlay.activate() before building them."
+        )
+    else:
+        what, fix = "while active, and would run stock methods on what the overlay built", (
+            "Delete those objects first, or leave the overlay active."
+        )
+    raise LiveInstancesError(
+        f"torch_overlay: refusing to {'activate' if activating else 'deactivate'} the overlay: {len(alive)} "
+        f"object(s) of {names} were built {what}; nothing was changed. {fix}"
+    )
+
+
 def activate(*, guard_on_first_use: bool = False, strict: bool = False) -> None:
     """Activate the overlay in this process; a no-op when it is already active.
 
@@ -158,6 +196,7 @@ def activate(*, guard_on_first_use: bool = False, strict: bool = False) -> None:
             if m.name in sys.modules and not is_overlay_module(sys.modules[m.name], m)
         ]
         then = dependents(stock, manifest, activating=True)
+        refuse_live_instances(stock, manifest, activating=True)
         # NOTE: the finder goes in first, so that a manifest module first imported while the others are
         # swapped (by an overlay module, or another thread) is served from the overlay too. The stock modules
         # of torch that are swapped for fresh ones (``then``) are kept as they are, like the manifest ones.
@@ -197,6 +236,7 @@ def deactivate() -> None:
             if m.name in sys.modules and is_overlay_module(sys.modules[m.name], m)
         ]
         then = dependents(ours, manifest, activating=False)
+        refuse_live_instances(ours, manifest, activating=False)
         done: list[tuple[str, types.ModuleType, types.ModuleType]] = []
         removed: list[tuple[str, types.ModuleType]] = []
         try:

@@ -25,7 +25,16 @@ BASES_DIR = "bases"
 class OverlayModule:
     """One upstream module that the overlay replaces as a whole file, or a new module it adds."""
 
-    __slots__ = ("name", "path", "runtime", "code_sha256", "new", "base_payloads", "keep_classes")
+    __slots__ = (
+        "name",
+        "path",
+        "runtime",
+        "code_sha256",
+        "new",
+        "base_payloads",
+        "keep_classes",
+        "refuse_live_instances",
+    )
 
     def __init__(
         self,
@@ -36,6 +45,7 @@ class OverlayModule:
         new: bool = False,
         base_payloads: tuple[str, ...] = (),
         keep_classes: bool = False,
+        refuse_live_instances: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         """Dotted module name, e.g. ``torch.distributed.fsdp._unshard_param_utils``."""
@@ -65,6 +75,11 @@ class OverlayModule:
         """Served with the stock module's classes: for a file whose classes or enums other modules hold (in dicts,
         ``isinstance`` checks, defaults), such as FSDP's ``_flat_param.py``. Each class the stock module defines
         stays the stock object, with the overlay's class body installed on it (see :mod:`torch_overlay._graft`)."""
+        self.refuse_live_instances = refuse_live_instances
+        """With ``keep_classes``, the classes (top-level names) whose objects work only with the version that built
+        them (DDP: the overlay's ``__init__`` builds the reducer over the DTensor parameters' local tensors, which
+        its methods expect): activation and deactivation refuse while one is alive, rather than run the other
+        version's methods on it."""
 
     def __repr__(self) -> str:
         return f"OverlayModule({self.name!r}, runtime={self.runtime}{', new=True' if self.new else ''})"
@@ -194,6 +209,7 @@ def _read(path: str) -> Manifest:
                 m.get("new", False),
                 tuple(m.get("base_payloads", ())),
                 m.get("keep_classes", False),
+                tuple(m.get("refuse_live_instances", ())),
             )
             for m in raw["modules"]
         )

@@ -293,9 +293,10 @@ class ActivationTest(unittest.TestCase):
         on, off = [True, True, True], [True, False, True]
         self.assertEqual(report, [on, off, on, on, off])
 
-    def test_ddp_after_import_is_served_with_torch_subclass_and_restored(self):
-        """DDP's class is served anew: torch's own subclass (DistributedDataParallelCPU) is defined again on it,
-        and every importer sees it; deactivate() puts back the very objects that were there."""
+    def test_ddp_after_import_keeps_its_classes_and_is_restored(self):
+        """DDP's module is served with ``keep_classes``: every reference to DistributedDataParallel (the package's,
+        replicate's, torch's subclass DistributedDataParallelCPU) stays the stock class object, with the overlay's
+        methods while active and stock's after deactivate(); the module object is served, then restored."""
         report = run_scenario(
             """
             from torch_overlay._guard import check_base
@@ -304,7 +305,6 @@ class ActivationTest(unittest.TestCase):
             def ddp_objects():
                 parallel = sys.modules["torch.nn.parallel"]
                 return {
-                    "package": parallel,
                     "module": sys.modules["torch.nn.parallel.distributed"],
                     "class": parallel.distributed.DistributedDataParallel,
                     "torch.nn.parallel.DistributedDataParallel": parallel.DistributedDataParallel,
@@ -319,15 +319,14 @@ class ActivationTest(unittest.TestCase):
             served = manifest.payload_file(manifest.module("torch.nn.parallel.distributed"), check_base().matched)
             report = {
                 "served_for_this_base": during["module"].__file__ == served,
-                "all_new": [k for k in before if during[k] is before[k]],
-                "one_class": [k for k in during if "DistributedDataParallel" in k or k == "replicate's"
-                              if during[k] is not during["class"]],
-                "subclass_on_served": during["DistributedDataParallelCPU"].__bases__ == (during["class"],),
-                "stock_package_untouched": before["package"].DistributedDataParallel is before["class"],
+                "new": [k for k in before if during[k] is not before[k]],
+                "overlay_methods": is_ours(before["class"].forward) and is_ours(before["class"].__init__),
+                "subclass_on_it": during["DistributedDataParallelCPU"].__bases__ == (before["class"],),
             }
             torch_overlay.deactivate()
             after = ddp_objects()
             report["restored"] = [k for k in before if after[k] is not before[k]]
+            report["stock_methods"] = not is_ours(before["class"].forward) and not is_ours(before["class"].__init__)
             print(json.dumps(report))
             """
         )
@@ -335,53 +334,143 @@ class ActivationTest(unittest.TestCase):
             report,
             {
                 "served_for_this_base": True,
-                "all_new": [],
-                "one_class": ["DistributedDataParallelCPU"],  # the subclass, not the class itself
-                "subclass_on_served": True,
-                "stock_package_untouched": True,
+                "new": ["module"],  # the module object; every class stays the stock one
+                "overlay_methods": True,
+                "subclass_on_it": True,
                 "restored": [],
+                "stock_methods": True,
             },
         )
 
-    def test_a_ddp_class_captured_before_activation_still_wraps_a_tp_model(self):
-        """A stock DistributedDataParallel kept from before activate() (a framework's registry) calls the served
-        tensor/parallel/ddp.py's _pre_dp_module_transform for a sub-mesh: it still localizes, as stock."""
+    def test_a_ddp_class_captured_before_activation_trains_as_tp_alone(self):
+        """A DistributedDataParallel kept from before activate() (a framework's registry, a default argument) is the
+        served class: over 2 ranks (dp) it keeps the TP parameters as DTensors in named_parameters() and averages
+        their gradients; after deactivate() the same object is stock DDP again, which drops them at the forward."""
         report = run_scenario(
             """
-            import os, socket
+            import copy, multiprocessing, os, tempfile
             import torch, torch.distributed as dist, torch.nn as nn
             from torch.nn.parallel import DistributedDataParallel
             registry = {"ddp": DistributedDataParallel}
-            torch_overlay.activate()
             from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor
             from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+            def train(rank, world_size, init, queue):
+                dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
+                mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+                torch.manual_seed(0)
+                plain = nn.Linear(4, 4)
+                model = parallelize_module(nn.Sequential(copy.deepcopy(plain)), mesh["tp"], {"0": ColwiseParallel()})
+                ddp = registry["ddp"](model, device_mesh=mesh["dp"])
+                inputs = [torch.full((2, 4), 1.0 + r) for r in range(world_size)]
+                ddp(inputs[rank]).sum().backward()
+                for x in inputs:  # the plain model's gradient, summed over every rank's input
+                    plain(x).sum().backward()
+                grad = model[0].weight.grad
+                queue.put({
+                    "names": [n for n, p in ddp.named_parameters() if isinstance(p, DTensor)],
+                    "averaged": grad is not None and torch.allclose(grad.full_tensor(), plain.weight.grad / world_size),
+                })
+                dist.destroy_process_group()
+
+            def run(world_size):
+                init, queue = tempfile.mktemp(), multiprocessing.get_context("fork").Queue()
+                ranks = [
+                    multiprocessing.get_context("fork").Process(target=train, args=(r, world_size, init, queue))
+                    for r in range(world_size)
+                ]
+                for p in ranks:
+                    p.start()
+                reports = [queue.get(timeout=120) for _ in ranks]
+                for p in ranks:
+                    p.join()
+                return reports
+
+            torch_overlay.activate()
+            report = {"same_class": registry["ddp"] is torch.nn.parallel.DistributedDataParallel, "active": run(2)}
+            torch_overlay.deactivate()
+            report["after"] = run(1)
+            report["still_same_class"] = registry["ddp"] is torch.nn.parallel.DistributedDataParallel
+            print(json.dumps(report))
+            """
+        )
+        trained = {"names": ["module.0.weight", "module.0.bias"], "averaged": True}
+        self.assertEqual(report["active"], [trained, trained])
+        self.assertEqual(report["after"], [{"names": [], "averaged": False}], "stock DDP drops the TP parameters")
+        self.assertEqual((report["same_class"], report["still_same_class"]), (True, True))
+
+    def test_models_wrapped_before_activation_refuse_and_change_nothing(self):
+        """A DDP built by stock code cannot run the overlay's methods (nor one built while active stock's): activate()
+        (and deactivate()) refuse while one is alive, naming the fix, and change nothing; once it is gone, they go
+        ahead. A user's subclass of DDP, defined before activation, gets the overlay's methods."""
+        report = run_scenario(
+            """
+            import gc, os, socket
+            import torch, torch.distributed as dist, torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel
+
+            class MyDDP(DistributedDataParallel):  # a subclass outside torch
+                pass
 
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("gloo", rank=0, world_size=1)
-            mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-            model = parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh["tp"], {"0": ColwiseParallel()})
-            ddp = registry["ddp"](model, device_mesh=mesh["dp"])
-            ddp(torch.ones(2, 4)).sum().backward()
-            print(json.dumps({
-                "stock_class": registry["ddp"] is not torch.nn.parallel.DistributedDataParallel,
-                "trained": all(p.grad is not None for p in model.parameters()),
-            }))
+
+            def attempt(action):
+                modules, meta_path = dict(sys.modules), list(sys.meta_path)
+                try:
+                    action()
+                    refused = None
+                except torch_overlay.LiveInstancesError as e:
+                    refused = str(e)
+                unchanged = all(sys.modules[n] is m for n, m in modules.items()) and sys.meta_path == meta_path
+                return refused, unchanged
+
+            early = MyDDP(nn.Linear(4, 4))
+            report = {"activate": attempt(torch_overlay.activate), "active": torch_overlay.status().process.active}
+            del early
+            report["then"] = attempt(torch_overlay.activate)
+            late = MyDDP(nn.Linear(4, 4))
+            late(torch.ones(2, 4)).sum().backward()
+            report["subclass_served"] = is_ours(MyDDP.forward)
+            report["deactivate"] = attempt(torch_overlay.deactivate)
+            del late
+            report["finally"] = attempt(torch_overlay.deactivate)
             dist.destroy_process_group()
+            print(json.dumps(report))
             """
         )
-        self.assertEqual(report, {"stock_class": True, "trained": True})
+        refused, unchanged = report.pop("activate")
+        self.assertEqual(
+            refused,
+            "torch_overlay: refusing to activate the overlay: 1 object(s) of __main__.MyDDP were built before "
+            "activation, and would run the overlay's methods on what stock torch built; nothing was changed. Activate "
+            "before wrapping models: `python -m torch_overlay.activate` (every process), or torch_overlay.activate() "
+            "before building them.",
+        )
+        self.assertTrue(unchanged)
+        refused, unchanged = report.pop("deactivate")
+        self.assertIn(
+            "refusing to deactivate the overlay: 1 object(s) of __main__.MyDDP were built while active", refused
+        )
+        self.assertTrue(unchanged)
+        self.assertEqual(
+            report, {"active": False, "then": [None, False], "subclass_served": True, "finally": [None, False]}
+        )
 
-    def test_a_subclass_of_ddp_outside_torch_refuses_and_changes_nothing(self):
-        """A user's subclass would keep the class it was defined on: activate() after it, and deactivate() after
-        one defined while active, refuse in one line naming the fix, having changed nothing."""
+    def test_a_subclass_of_a_served_class_outside_torch_refuses_and_changes_nothing(self):
+        """A module served as a new module (not ``keep_classes``) makes new classes: a user's subclass would keep
+        the class it was defined on, so activate() after it, and deactivate() after one defined while active,
+        refuse in one line naming the fix, having changed nothing."""
         report = run_scenario(
             """
-            from torch.nn.parallel import DistributedDataParallel
+            import torch
+            from torch.distributed.algorithms._optimizer_overlap.optimizer_overlap import OverlappedOptimizer
 
-            class MyDDP(DistributedDataParallel):
+            class MyOverlapped(OverlappedOptimizer):
                 pass
 
             modules, meta_path = dict(sys.modules), list(sys.meta_path)
@@ -395,12 +484,13 @@ class ActivationTest(unittest.TestCase):
                 "unchanged": all(sys.modules[n] is m for n, m in modules.items()) and sys.meta_path == meta_path,
                 "active": torch_overlay.status().process.active,
             }
-            del MyDDP
+            del MyOverlapped
             import gc
             gc.collect()
             torch_overlay.activate()  # the subclass is gone
+            served = sys.modules["torch.distributed.algorithms._optimizer_overlap.optimizer_overlap"]
 
-            class Later(sys.modules["torch.nn.parallel"].DistributedDataParallel):
+            class Later(served.OverlappedOptimizer):
                 pass
 
             modules = dict(sys.modules)
@@ -416,10 +506,10 @@ class ActivationTest(unittest.TestCase):
         )
         self.assertEqual(
             report.pop("refused"),
-            "torch_overlay: refusing to activate the overlay: __main__.MyDDP subclasses "
-            "torch.nn.parallel.distributed.DistributedDataParallel, which the overlay serves, and would keep the stock "
-            "class; nothing was changed. Activate before that class is defined: `python -m torch_overlay.activate` "
-            "(every process), or torch_overlay.activate() before importing it.",
+            "torch_overlay: refusing to activate the overlay: __main__.MyOverlapped subclasses "
+            "torch.distributed.algorithms._optimizer_overlap.optimizer_overlap.OverlappedOptimizer, which the overlay "
+            "serves, and would keep the stock class; nothing was changed. Activate before that class is defined: "
+            "`python -m torch_overlay.activate` (every process), or torch_overlay.activate() before importing it.",
         )
         self.assertIn("refusing to deactivate the overlay: __main__.Later subclasses", report.pop("deactivate_refused"))
         self.assertEqual(report, {"unchanged": True, "active": False, "still_active": True})
