@@ -679,6 +679,34 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             self.assertGreater(compiles[0], 2, backend)
             self.assertEqual(compiles, [compiles[0]] * 3, backend)
 
+    def test_overlapping_group_raises(self):
+        """
+        DDP (or replicate) over a group that holds two ranks of a TP group would
+        average different shards: every rank raises, before any shard changes.
+        """
+        tp = self.mesh["tp"]
+        overlapping = {
+            "default group": lambda m: DDP(m),
+            "TP mesh": lambda m: DDP(m, device_mesh=tp),
+            "TP ranks": lambda m: DDP(m, process_group=tp.get_group()),
+            # replicate() builds its DDP at the first forward
+            "replicate": lambda m: replicate(m)(self.inputs(0)),
+        }
+        for name, wrap in overlapping.items():
+            _, model = self.build()
+            shards = {
+                n: p.to_local().clone()
+                for n, p in model.named_parameters()
+                if isinstance(p, DTensor)
+            }
+            with self.assertRaisesRegex(
+                ValueError, r"(?s)holds two ranks of one group.*device_mesh=mesh\["
+            ):
+                wrap(model)
+            for n, shard in shards.items():
+                local = model.get_parameter(n).to_local()
+                self.assertEqual(local, shard, atol=0, rtol=0, msg=f"{name}: {n}")
+
     def test_replaced_param_raises(self):
         """load_state_dict(assign=True) after wrapping: one clear error."""
         _, other = self.build(seed=1)

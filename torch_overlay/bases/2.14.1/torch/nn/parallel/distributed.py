@@ -1072,6 +1072,7 @@ class DistributedDataParallel(Module, Joinable):
                     "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
                     "Run a dummy forward pass to correctly initialize the modules",
                 )
+        self._check_dtensor_param_groups(agree=init_sync)
         # used for intra-node param sync and inter-node sync as well
         self.broadcast_bucket_size = 250 * 1024 * 1024
 
@@ -1423,6 +1424,40 @@ class DistributedDataParallel(Module, Joinable):
                 functools.partial(self._fire_reducer_autograd_hook, p._idx)
             )
             p._ddp_mp_hook_state = (grad_acc, hook)
+
+    def _check_dtensor_param_groups(self, agree: bool) -> None:
+        """
+        Raise if the process group holds two ranks of a group of a DTensor
+        parameter's mesh (e.g. its TP ranks): DDP would broadcast and average
+        different shards. Every rank raises, before any collective.
+        """
+        from torch.distributed.tensor import DTensor
+
+        meshes = dict.fromkeys(
+            p.device_mesh for p in self._module_parameters if isinstance(p, DTensor)
+        )
+        if not meshes:
+            return
+        ranks = set(dist.get_process_group_ranks(self.process_group))
+        overlap = ""
+        for mesh in meshes:
+            for dim, name in enumerate(mesh.mesh_dim_names or range(mesh.ndim)):
+                group = dist.get_process_group_ranks(mesh.get_group(dim))
+                shared = sorted(ranks.intersection(group))
+                if len(shared) > 1:
+                    overlap = f"ranks {shared} of dim {name!r}"
+        found = torch.tensor(int(bool(overlap)), device=self.device)
+        if agree:  # a rank whose own mesh groups do not overlap raises too
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        if found.item():
+            self._log_and_throw(
+                ValueError,
+                "DistributedDataParallel's process group holds two ranks of one "
+                f"group of a DTensor parameter's mesh ({overlap or 'on another rank'})"
+                ": it would average different shards.\nPass the data parallel mesh "
+                'of a 2-D mesh: device_mesh=mesh["dp"], with mesh = init_device_mesh('
+                'device_type, (dp, tp), mesh_dim_names=("dp", "tp")).',
+            )
 
     def _sync_module_states(self, src: int, broadcast_buffers: bool) -> None:
         """Broadcast the module's state from ``src``, DTensors by their local tensors."""
