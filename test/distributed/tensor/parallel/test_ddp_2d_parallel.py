@@ -679,6 +679,24 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             self.assertGreater(compiles[0], 2, backend)
             self.assertEqual(compiles, [compiles[0]] * 3, backend)
 
+    def test_dtensor_buffer_broadcast(self):
+        """
+        A DTensor buffer (a replicated scale) is broadcast from dp rank 0 at each
+        forward, by its local tensor as at wrapping; training goes on.
+        """
+        reference, model = self.build()
+        scale = torch.ones(DIM, device=self.device_type)
+        model.register_buffer("scale", DTensor.from_local(scale, self.mesh["tp"]))
+        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+        for step in range(2):
+            with torch.no_grad():  # rank 0's changes win over the others'
+                model.scale.add_(self.mesh["dp"].get_local_rank() + 1)
+            for d in (ddp, ref_ddp):
+                d(self.inputs(step)).pow(2).sum().backward()
+            self.assert_grads_match(model, reference, msg=f"step {step}")
+            self.assertIsInstance(model.scale, DTensor)
+            self.assertEqual(model.scale.to_local(), torch.full_like(scale, step + 2))
+
     def test_overlapping_group_raises(self):
         """
         DDP (or replicate) over a group that holds two ranks of a TP group would

@@ -1764,8 +1764,9 @@ class DistributedDataParallel(Module, Joinable):
             for buffer_name, buffer in self.module.named_buffers()
             if buffer_name not in self.parameters_to_ignore
         ]
+        # The local tensors of DTensor buffers, as the init sync broadcasts
         self.modules_buffers = [
-            buffer for (buffer, buffer_name) in named_module_buffers
+            _local_tensor(buffer) for (buffer, buffer_name) in named_module_buffers
         ]
         # Dict[str, tensor] representing module buffers not ignored by DDP.
         self.named_module_buffers = {
