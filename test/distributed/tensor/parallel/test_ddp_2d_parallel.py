@@ -679,6 +679,21 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             self.assertGreater(compiles[0], 2, backend)
             self.assertEqual(compiles, [compiles[0]] * 3, backend)
 
+    def test_python_reducer_move_after_wrapping_raises(self):
+        """
+        The Python reducer's hooks do not follow a DTensor parameter that .to() or
+        .float() after wrapping swapped: the next forward raises on every rank.
+        """
+        for move in (lambda m: m.to(self.device_type), lambda m: m.float()):
+            with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+                _, model = self.build()
+                ddp = self.wrap(model)
+                move(model)
+                with self.assertRaisesRegex(
+                    RuntimeError, "replaced, moved or cast after wrapping"
+                ):
+                    ddp(self.inputs(0))
+
     def test_dtensor_buffer_broadcast(self):
         """
         A DTensor buffer (a replicated scale) is broadcast from dp rank 0 at each

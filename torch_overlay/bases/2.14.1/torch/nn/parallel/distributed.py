@@ -1493,8 +1493,7 @@ class DistributedDataParallel(Module, Joinable):
             alias = _local_tensor(param.detach()).requires_grad_()
             local_tensors[index] = alias
             entry = _DTensorParam(*owners[param], param, alias, index)
-            if not self._use_python_reducer:  # whose hooks reduce DTensors
-                self._hook_dtensor_param(entry)
+            self._hook_dtensor_param(entry)
             self._dtensor_params.append(entry)
         return local_tensors
 
@@ -1504,7 +1503,8 @@ class DistributedDataParallel(Module, Joinable):
         hook = functools.partial(_reduce_dtensor_grad, *args)
         entry.grad_acc = torch.autograd.graph.get_gradient_edge(entry.param).node
         entry.cdata = entry.param._cdata
-        entry.handle = entry.grad_acc.register_hook(hook)
+        if not self._use_python_reducer:  # whose hooks reduce DTensors
+            entry.handle = entry.grad_acc.register_hook(hook)
 
     def _check_dtensor_params(self) -> None:
         """Raise if a DTensor parameter changed after wrapping; hook a swapped one."""
@@ -1512,10 +1512,15 @@ class DistributedDataParallel(Module, Joinable):
             module, name, param = entry.module, entry.name, entry.param
             # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
             # .float() after wrapping) gives a parameter a new TensorImpl and
-            # gradient accumulator; one that views the reducer's alias trains on.
-            swapped = entry.handle is not None and param._cdata != entry.cdata
+            # gradient accumulator; one that views the reducer's alias trains on,
+            # but on the Python reducer, whose hook does not follow a swap.
+            swapped = param._cdata != entry.cdata
             if module._parameters.get(name) is not param or (
-                swapped and not _local_tensor(param).is_set_to(entry.local_tensor)
+                swapped
+                and (
+                    entry.handle is None
+                    or not _local_tensor(param).is_set_to(entry.local_tensor)
+                )
             ):
                 self._log_and_throw(
                     RuntimeError,
@@ -1951,6 +1956,8 @@ class DistributedDataParallel(Module, Joinable):
 
     def _pre_forward(self, *inputs, **kwargs):
         if self._use_python_reducer:
+            if self._dtensor_params and not torch.compiler.is_compiling():
+                self._check_dtensor_params()
             return inputs, kwargs
 
         if not self._lazy_init_ran and not torch.compiler.is_compiling():
