@@ -161,6 +161,27 @@ class Test2dParallelIntegration(DTensorTestBase):
             weight = weight.to_local()
         self.assertEqual(weight, frozen, atol=0, rtol=0)
 
+    @with_comms
+    def test_2d_ddp_fused_optimizer_process_group(self) -> None:
+        """_register_fused_optim averages over DDP's process group, not the world."""
+        mesh = init_device_mesh(
+            self.device_type,
+            (self.world_size // TP_DEGREE, TP_DEGREE),
+            mesh_dim_names=("dp", "tp"),
+        )
+        model, reference = MLPModule(self.device_type), MLPModule(self.device_type)
+        ddp = DDP(model, process_group=mesh["dp"].get_group())
+        ddp._register_fused_optim(torch.optim.SGD, lr=0.1)
+        ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+        torch.manual_seed(self.rank)  # another batch on every rank
+        batch = torch.randn(4, 10, device=self.device_type)
+        for d in (ddp, ref_ddp):
+            d(batch).sum().backward()
+        ref_optim.step()
+        for name, param in model.named_parameters():
+            self.assertEqual(param, reference.get_parameter(name), msg=name)
+
 
 DIM = 8
 
