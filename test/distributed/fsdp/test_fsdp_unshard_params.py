@@ -3,6 +3,7 @@ import contextlib
 import copy
 import itertools
 import math
+import os
 import sys
 import unittest
 from datetime import timedelta
@@ -1198,6 +1199,17 @@ class TestUnshardOffloadAndGrads(FSDPUnshardTest):
             self,
         )
 
+    def test_skip_writeback_check_warning_logged_once(self):
+        """
+        ``FSDP_SKIP_WRITEBACK_CHECK=1`` logs its warning once, not once per handle.
+        """
+        with mock.patch.dict(os.environ, {"FSDP_SKIP_WRITEBACK_CHECK": "1"}):
+            with self.assertLogs(FlatParamHandle.__module__, "WARNING") as logs:
+                for _ in range(2):
+                    self._wrap(reference_model())  # two handles each
+        warnings = [line for line in logs.output if "FSDP_SKIP_WRITEBACK_CHECK" in line]
+        self.assertEqual(len(warnings), 1)
+
     def test_with_grads_other_dtype_raises(self):
         """
         Gradients in another dtype than the parameter (``keep_low_precision_grads``)
@@ -1214,10 +1226,19 @@ class TestUnshardOffloadAndGrads(FSDPUnshardTest):
             backward=False, use_orig_params=use_orig_params, mixed_precision=low
         )
         model(batch().to(self.device)).sum().backward()
-        with self.assertRaisesRegex(NotImplementedError, "gradient in torch.float32"):
-            with FSDP.summon_full_params(model, writeback=writeback, with_grads=True):
-                pass
-        self._check_idle_and_resharded(model)
+        errors = []
+        for _ in range(2):
+            with self.assertRaisesRegex(
+                NotImplementedError, "gradient in torch.float32"
+            ) as cm:
+                with FSDP.summon_full_params(
+                    model, writeback=writeback, with_grads=True
+                ):
+                    pass
+            errors.append(cm.exception)
+            self._check_idle_and_resharded(model)
+        # A new error each time: a raised error's traceback grows with each raise
+        self.assertIsNot(errors[0], errors[1])
         self._check_full(model, reference)
 
 

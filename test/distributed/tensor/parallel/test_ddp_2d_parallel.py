@@ -161,6 +161,27 @@ class Test2dParallelIntegration(DTensorTestBase):
             weight = weight.to_local()
         self.assertEqual(weight, frozen, atol=0, rtol=0)
 
+    @with_comms
+    def test_2d_ddp_fused_optimizer_process_group(self) -> None:
+        """_register_fused_optim averages over DDP's process group, not the world."""
+        mesh = init_device_mesh(
+            self.device_type,
+            (self.world_size // TP_DEGREE, TP_DEGREE),
+            mesh_dim_names=("dp", "tp"),
+        )
+        model, reference = MLPModule(self.device_type), MLPModule(self.device_type)
+        ddp = DDP(model, process_group=mesh["dp"].get_group())
+        ddp._register_fused_optim(torch.optim.SGD, lr=0.1)
+        ref_ddp = DDP(reference, process_group=mesh["dp"].get_group())
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+        torch.manual_seed(self.rank)  # another batch on every rank
+        batch = torch.randn(4, 10, device=self.device_type)
+        for d in (ddp, ref_ddp):
+            d(batch).sum().backward()
+        ref_optim.step()
+        for name, param in model.named_parameters():
+            self.assertEqual(param, reference.get_parameter(name), msg=name)
+
 
 DIM = 8
 
@@ -678,6 +699,67 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             # Split: one AOT compilation per split graph, all in the first step.
             self.assertGreater(compiles[0], 2, backend)
             self.assertEqual(compiles, [compiles[0]] * 3, backend)
+
+    def test_python_reducer_move_after_wrapping_raises(self):
+        """
+        The Python reducer's hooks do not follow a DTensor parameter that .to() or
+        .float() after wrapping swapped: the next forward raises on every rank.
+        """
+        for move in (lambda m: m.to(self.device_type), lambda m: m.float()):
+            with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+                _, model = self.build()
+                ddp = self.wrap(model)
+                move(model)
+                with self.assertRaisesRegex(
+                    RuntimeError, "replaced, moved or cast after wrapping"
+                ):
+                    ddp(self.inputs(0))
+
+    def test_dtensor_buffer_broadcast(self):
+        """
+        A DTensor buffer (a replicated scale) is broadcast from dp rank 0 at each
+        forward, by its local tensor as at wrapping; training goes on.
+        """
+        reference, model = self.build()
+        scale = torch.ones(DIM, device=self.device_type)
+        model.register_buffer("scale", DTensor.from_local(scale, self.mesh["tp"]))
+        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+        for step in range(2):
+            with torch.no_grad():  # rank 0's changes win over the others'
+                model.scale.add_(self.mesh["dp"].get_local_rank() + 1)
+            for d in (ddp, ref_ddp):
+                d(self.inputs(step)).pow(2).sum().backward()
+            self.assert_grads_match(model, reference, msg=f"step {step}")
+            self.assertIsInstance(model.scale, DTensor)
+            self.assertEqual(model.scale.to_local(), torch.full_like(scale, step + 2))
+
+    def test_overlapping_group_raises(self):
+        """
+        DDP (or replicate) over a group that holds two ranks of a TP group would
+        average different shards: every rank raises, before any shard changes.
+        """
+        tp = self.mesh["tp"]
+        overlapping = {
+            "default group": lambda m: DDP(m),
+            "TP mesh": lambda m: DDP(m, device_mesh=tp),
+            "TP ranks": lambda m: DDP(m, process_group=tp.get_group()),
+            # replicate() builds its DDP at the first forward
+            "replicate": lambda m: replicate(m)(self.inputs(0)),
+        }
+        for name, wrap in overlapping.items():
+            _, model = self.build()
+            shards = {
+                n: p.to_local().clone()
+                for n, p in model.named_parameters()
+                if isinstance(p, DTensor)
+            }
+            with self.assertRaisesRegex(
+                ValueError, r"(?s)holds two ranks of one group.*device_mesh=mesh\["
+            ):
+                wrap(model)
+            for n, shard in shards.items():
+                local = model.get_parameter(n).to_local()
+                self.assertEqual(local, shard, atol=0, rtol=0, msg=f"{name}: {n}")
 
     def test_replaced_param_raises(self):
         """load_state_dict(assign=True) after wrapping: one clear error."""

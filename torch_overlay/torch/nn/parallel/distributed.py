@@ -1084,6 +1084,7 @@ class DistributedDataParallel(Module, Joinable):
                     "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
                     "Run a dummy forward pass to correctly initialize the modules",
                 )
+        self._check_dtensor_param_groups(agree=init_sync)
         # used for intra-node param sync and inter-node sync as well
         self.broadcast_bucket_size = 250 * 1024 * 1024
 
@@ -1436,6 +1437,40 @@ class DistributedDataParallel(Module, Joinable):
             )
             p._ddp_mp_hook_state = (grad_acc, hook)
 
+    def _check_dtensor_param_groups(self, agree: bool) -> None:
+        """
+        Raise if the process group holds two ranks of a group of a DTensor
+        parameter's mesh (e.g. its TP ranks): DDP would broadcast and average
+        different shards. Every rank raises, before any collective.
+        """
+        from torch.distributed.tensor import DTensor
+
+        meshes = dict.fromkeys(
+            p.device_mesh for p in self._module_parameters if isinstance(p, DTensor)
+        )
+        if not meshes:
+            return
+        ranks = set(dist.get_process_group_ranks(self.process_group))
+        overlap = ""
+        for mesh in meshes:
+            for dim, name in enumerate(mesh.mesh_dim_names or range(mesh.ndim)):
+                group = dist.get_process_group_ranks(mesh.get_group(dim))
+                shared = sorted(ranks.intersection(group))
+                if len(shared) > 1:
+                    overlap = f"ranks {shared} of dim {name!r}"
+        found = torch.tensor(int(bool(overlap)), device=self.device)
+        if agree:  # a rank whose own mesh groups do not overlap raises too
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        if found.item():
+            self._log_and_throw(
+                ValueError,
+                "DistributedDataParallel's process group holds two ranks of one "
+                f"group of a DTensor parameter's mesh ({overlap or 'on another rank'})"
+                ": it would average different shards.\nPass the data parallel mesh "
+                'of a 2-D mesh: device_mesh=mesh["dp"], with mesh = init_device_mesh('
+                'device_type, (dp, tp), mesh_dim_names=("dp", "tp")).',
+            )
+
     def _sync_module_states(self, src: int, broadcast_buffers: bool) -> None:
         """Broadcast the module's state from ``src``, DTensors by their local tensors."""
         named = [*self.module.named_parameters()]
@@ -1470,8 +1505,7 @@ class DistributedDataParallel(Module, Joinable):
             alias = _local_tensor(param.detach()).requires_grad_()
             local_tensors[index] = alias
             entry = _DTensorParam(*owners[param], param, alias, index)
-            if not self._use_python_reducer:  # whose hooks reduce DTensors
-                self._hook_dtensor_param(entry)
+            self._hook_dtensor_param(entry)
             self._dtensor_params.append(entry)
         return local_tensors
 
@@ -1481,7 +1515,8 @@ class DistributedDataParallel(Module, Joinable):
         hook = functools.partial(_reduce_dtensor_grad, *args)
         entry.grad_acc = torch.autograd.graph.get_gradient_edge(entry.param).node
         entry.cdata = entry.param._cdata
-        entry.handle = entry.grad_acc.register_hook(hook)
+        if not self._use_python_reducer:  # whose hooks reduce DTensors
+            entry.handle = entry.grad_acc.register_hook(hook)
 
     def _check_dtensor_params(self) -> None:
         """Raise if a DTensor parameter changed after wrapping; hook a swapped one."""
@@ -1489,10 +1524,15 @@ class DistributedDataParallel(Module, Joinable):
             module, name, param = entry.module, entry.name, entry.param
             # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
             # .float() after wrapping) gives a parameter a new TensorImpl and
-            # gradient accumulator; one that views the reducer's alias trains on.
-            swapped = entry.handle is not None and param._cdata != entry.cdata
+            # gradient accumulator; one that views the reducer's alias trains on,
+            # but on the Python reducer, whose hook does not follow a swap.
+            swapped = param._cdata != entry.cdata
             if module._parameters.get(name) is not param or (
-                swapped and not _local_tensor(param).is_set_to(entry.local_tensor)
+                swapped
+                and (
+                    entry.handle is None
+                    or not _local_tensor(param).is_set_to(entry.local_tensor)
+                )
             ):
                 self._log_and_throw(
                     RuntimeError,
@@ -1775,8 +1815,9 @@ class DistributedDataParallel(Module, Joinable):
             for buffer_name, buffer in self.module.named_buffers()
             if buffer_name not in self.parameters_to_ignore
         ]
+        # The local tensors of DTensor buffers, as the init sync broadcasts
         self.modules_buffers = [
-            buffer for (buffer, buffer_name) in named_module_buffers
+            _local_tensor(buffer) for (buffer, buffer_name) in named_module_buffers
         ]
         # Dict[str, tensor] representing module buffers not ignored by DDP.
         self.named_module_buffers = {
@@ -1936,6 +1977,8 @@ class DistributedDataParallel(Module, Joinable):
 
     def _pre_forward(self, *inputs, **kwargs):
         if self._use_python_reducer:
+            if self._dtensor_params and not torch.compiler.is_compiling():
+                self._check_dtensor_params()
             return inputs, kwargs
 
         if not self._lazy_init_ran and not torch.compiler.is_compiling():

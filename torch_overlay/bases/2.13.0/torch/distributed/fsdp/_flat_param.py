@@ -2916,9 +2916,6 @@ def _construct_padding_tensor(
     )
 
 
-# Use `lru_cache(1)` to only log the warning once (assuming the fixed warning
-# message is passed in)
-@functools.lru_cache(1)
 def _grad_dtype_error(dtype: torch.dtype) -> NotImplementedError:
     return NotImplementedError(
         f"with_grads=True needs every rank's gradient in {dtype}: use "
@@ -2926,6 +2923,9 @@ def _grad_dtype_error(dtype: torch.dtype) -> NotImplementedError:
     )
 
 
+# Use `lru_cache(1)` to only log the warning once (assuming the fixed warning
+# message is passed in)
+@functools.lru_cache(1)
 def _warn_skip_writeback_check(log: logging.Logger, warning: str):
     logger.warning(warning)
 
