@@ -149,14 +149,14 @@ def refuse_live_instances(modules: list[types.ModuleType], manifest: Manifest, a
         return
     names = ", ".join(sorted({f"{c.__module__}.{c.__qualname__}" for c in alive}))
     if activating:
-        what, fix = "before activation, and would run the overlay's methods on what stock torch built", (
+        what = "before activation, and would run the overlay's methods on what stock torch built"
+        fix = (
             "Activate before wrapping models: `python -m torch_overlay.activate` (every process), or "
             "torch_overlay.activate() before building them."
         )
     else:
-        what, fix = "while active, and would run stock methods on what the overlay built", (
-            "Delete those objects first, or leave the overlay active."
-        )
+        what = "while active, and would run stock methods on what the overlay built"
+        fix = "Delete those objects first, or leave the overlay active."
     raise LiveInstancesError(
         f"torch_overlay: refusing to {'activate' if activating else 'deactivate'} the overlay: {len(alive)} "
         f"object(s) of {names} were built {what}; nothing was changed. {fix}"
