@@ -46,7 +46,7 @@ from importlib.machinery import ModuleSpec
 
 from torch_overlay import _dynamo_rules, _fork, _graft, _originals
 from torch_overlay._dynamo_rules import TRACE_RULES
-from torch_overlay._env import ENV_VAR, OFF_VALUES
+from torch_overlay._env import ENV_VAR, EnvMode, EnvValueError, env_mode
 from torch_overlay._finder import OverlayFinder, installed_finder, overlay_spec
 from torch_overlay._guard import BaseMismatchError, require_base
 from torch_overlay._manifest import Manifest, OverlayModule, load_manifest
@@ -277,7 +277,10 @@ def require_active() -> None:
     with _originals.lock:
         finder = installed_finder()
         if finder is None:
-            off = os.environ.get(ENV_VAR, "").strip().lower() in OFF_VALUES
+            try:
+                off = env_mode() is EnvMode.OFF
+            except EnvValueError:  # not activated either: say that
+                off = False
             reason = f"{ENV_VAR}={os.environ[ENV_VAR]} turns it off" if off else "it was not activated"
         elif finder.verify() is not None:
             reason = "" if finder.fork_mode else f"it stood down: {finder.disabled_reason}"

@@ -23,6 +23,8 @@ class OverlayStatus:
     persistent_hook: Path | None
     persistent_hook_current: bool
     env_value: str | None
+    env_mode: EnvMode | None
+    """What ``TORCH_OVERLAY`` asks; None when it holds a value the overlay does not take (``env_error``)."""
     env_error: str | None
     """Why ``TORCH_OVERLAY`` holds a value the overlay does not take, else None."""
     process: ProcessState
@@ -90,20 +92,23 @@ class OverlayStatus:
         return "\n".join(lines)
 
     def _env_row(self) -> str:
-        if self.env_error is not None:
+        if self.env_mode is None:
             return f"{self.env_value} (not a value it takes: see the problem below)"
-        mode = env_mode()
         row = {
             EnvMode.DEFAULT: "unset" if not (self.env_value or "").strip() else f"{self.env_value!r} (as unset)",
             EnvMode.OFF: f"{self.env_value} (off: the start-up hook and activate() do nothing in this process)",
             EnvMode.REQUIRE: f"{self.env_value} (strict: where the overlay cannot serve, importing torch raises)",
-        }[mode]
+        }[self.env_mode]
         if self.fork is not None:
             row += "; fork mode ignores it (the series is applied in place: `torch-overlay revert-patches`)"
         return row
 
 
 def status() -> OverlayStatus:
+    try:
+        mode, env_error = env_mode(), None
+    except EnvValueError as e:
+        mode, env_error = None, str(e)
     try:
         base, base_error = check_base(), None
     except BaseMismatchError as e:
@@ -116,14 +121,7 @@ def status() -> OverlayStatus:
         persistent_hook_current=hook is not None and hook_is_current(hook),
         fork=active_state(base.torch_dir if base is not None else None),
         env_value=os.environ.get(ENV_VAR),
-        env_error=_env_error(),
+        env_mode=mode,
+        env_error=env_error,
         process=process_state(),
     )
-
-
-def _env_error() -> str | None:
-    try:
-        env_mode()
-    except EnvValueError as e:
-        return str(e)
-    return None
