@@ -58,20 +58,19 @@ lint: install
 	$(PY) -m ruff format --check --isolated --line-length 88 --extend-exclude $(UPSTREAM_FORMATTED) test/distributed
 	$(PY) -m ruff check --isolated --line-length 88 --select E,F,W --extend-exclude $(UPSTREAM_FORMATTED) test/distributed
 
-# examples/tp_ddp_train.py as a user runs it, on 4 CPU ranks, with the overlay for this command only: the test suite's
-# boot directory on PYTHONPATH runs the persistent install's start-up hook in every torchrun rank, and nothing in the
-# venv changes (TORCH_OVERLAY=0 make example: stock torch). --standalone takes a free port.
-example: install
-	PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
-		$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/tp_ddp_train.py
+# A script as a user runs it, on 4 CPU ranks, with the overlay for this command only: the test suite's boot
+# directory on PYTHONPATH runs the persistent install's start-up hook in every torchrun rank, and nothing in the venv
+# changes (TORCH_OVERLAY=0 make example: stock torch). --standalone takes a free port.
+TORCHRUN_OVERLAY = PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4
 
-# The recipes (docs/recipes.md), Lightning Fabric's and the torchtitan-style one, as `make example` runs the example: 4
-# CPU ranks, the overlay for this command only. The Fabric recipe needs lightning (in the dev extra).
+example: install
+	$(TORCHRUN_OVERLAY) examples/tp_ddp_train.py
+
+# The recipes (docs/recipes.md), Lightning Fabric's and the torchtitan-style one, as `make example` runs the example.
+# The Fabric recipe needs lightning (in the dev extra).
 recipes: install
-	for recipe in fabric_tp_ddp titan_style_tp_replicate; do \
-		PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
-			$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/$$recipe.py || exit 1; \
-	done
+	for recipe in fabric_tp_ddp titan_style_tp_replicate; do $(TORCHRUN_OVERLAY) examples/$$recipe.py || exit 1; done
 
 # The README's quick start as a new user follows it: a fresh venv (removed after) holding only torch $(TORCH), pinned,
 # then the quick start's commands as written, from `pip install` to the example's "OK: ..." line; then its install
