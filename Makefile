@@ -9,6 +9,11 @@ endif
 VENV := .venv/$(TORCH)
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
+# pytest-xdist workers for make test and check-stack, a test class (or module) to a worker (tools/check_stack.py,
+# pytest_jobs). Most of a distributed test's time is its ranks starting and importing torch, so 2 workers pay
+# even on 2 cores; PYTEST_JOBS=1 runs them one at a time.
+PYTEST_JOBS ?= 2
+XDIST := $(if $(filter-out 0 1,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadscope)
 # The machines this project is built on cap torch through a constraint file in pip's configuration. Each venv pins
 # torch exactly (never an open range, which would pull a CUDA build of several GB), so the cap is lifted for these
 # installs only; nothing outside the venv changes.
@@ -41,10 +46,10 @@ sources: install
 test: test-stock test-overlay
 
 test-stock: install
-	$(PYTEST) --stock test
+	$(PYTEST) --stock $(XDIST) test
 
 test-overlay: install sources
-	$(PYTEST) --durations=15 test
+	$(PYTEST) --durations=15 $(XDIST) test
 
 UPSTREAM_FORMATTED := test/distributed/tensor/test_optimizers.py,test/distributed/fsdp/test_fsdp_tp_integration.py,test/distributed/fsdp/test_fsdp_unshard_params.py,test/distributed/test_dynamo_distributed.py
 
@@ -97,7 +102,7 @@ check: install sources
 # CHECK_STACK_ARGS=--import-only skips the tests, --test-last runs them at the last prefix only (CI), --rules-only
 # skips everything but the rules; --table prints docs/patches.md's stack table.
 check-stack: install sources
-	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) $(CHECK_STACK_ARGS)
+	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) --jobs $(PYTEST_JOBS) $(CHECK_STACK_ARGS)
 
 # The per-base payloads (torch_overlay/bases/<version>/...: the payload's change transplanted onto each base's own
 # file, for the runtime files whose code differs between bases), then patches/NNNN-*.patch, patches/series

@@ -297,7 +297,7 @@ def prefix_red_list(red_list: str, rewritten: dict[str, bytes]) -> str:
 
 def check_prefix(
     project: Project, scratch: Path, prefix: Prefix, pristine_files: dict[str, bytes], import_only: bool,
-    base: Base, python: str = sys.executable,
+    base: Base, python: str = sys.executable, jobs: int = 1,
 ) -> PrefixResult:  # fmt: skip
     manifest = project.manifest()
     tree = prefix.files
@@ -336,7 +336,7 @@ def check_prefix(
         (scratch / red_list).write_text(prefix_red_list((project.root / red_list).read_text(), earlier))
     start = time.monotonic()
     proc = subprocess.run(
-        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_jobs(jobs), *tests],
         cwd=scratch, env=env, capture_output=True, text=True,
     )  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -346,6 +346,12 @@ def check_prefix(
     if proc.returncode != 0:
         summary += "".join(f"\n{line}" for line in failure_lines(proc.stdout))
     return PrefixResult(prefix, None, imported, modules, summary, proc.returncode == 0)
+
+
+def pytest_jobs(jobs: int) -> list[str]:
+    """pytest-xdist's options for ``jobs`` workers, a test class (or module) to a worker, so that a class that
+    keeps its process group across its tests (MultiProcContinuousTest) starts it once."""
+    return ["-n", str(jobs), "--dist", "loadscope"] if jobs > 1 else []
 
 
 def failure_lines(output: str, limit: int = 8) -> list[str]:
@@ -358,10 +364,10 @@ def failure_lines(output: str, limit: int = 8) -> list[str]:
 
 def check_stack(
     project: Project, base: Base, pristine_files: dict[str, bytes], import_only: bool,
-    report: Callable[[str], None] = print, test_last: bool = False,
+    report: Callable[[str], None] = print, test_last: bool = False, jobs: int = 1,
 ) -> list[PrefixResult]:  # fmt: skip
     """Check every prefix of the base's series, reporting one line per prefix as it goes; ``test_last``: run the
-    tests at the last prefix only (every prefix is still applied and imported)."""
+    tests at the last prefix only (every prefix is still applied and imported); ``jobs``: pytest workers."""
     results = []
     last = len(stack(project, base.version))
     with tempfile.TemporaryDirectory(prefix="torch-overlay-stack-") as tmp:
@@ -371,7 +377,7 @@ def check_stack(
                 result = PrefixResult(prefix, prefix.error)
             else:
                 untested = import_only or (test_last and prefix.entry.number != last)
-                result = check_prefix(project, scratch, prefix, pristine_files, untested, base)
+                result = check_prefix(project, scratch, prefix, pristine_files, untested, base, jobs=jobs)
             results.append(result)
             report(result.line())
     return results
@@ -384,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     tests.add_argument(
         "--test-last", action="store_true", help="apply and import every prefix; run every patch's tests at the last"
     )
+    parser.add_argument("--jobs", type=int, default=1, help="pytest workers for the tests (pytest-xdist)")
     parser.add_argument("--rules-only", action="store_true", help="check the stack rules only")
     parser.add_argument("--table", action="store_true", help="print docs/patches.md's stack table (markdown) and exit")
     parser.add_argument(
@@ -406,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             files = pristine(project, args.wheel).files(base)
             start = time.monotonic()
             print(f"check-stack: torch {base.version}, every prefix of its series")
-            results = check_stack(project, base, files, args.import_only, test_last=args.test_last)
+            results = check_stack(project, base, files, args.import_only, test_last=args.test_last, jobs=args.jobs)
             bad = [r for r in results if not r.ok]
             failed = bool(bad)
             what = "applied, imported and tested (each with the tests of every patch applied)"
