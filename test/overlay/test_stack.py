@@ -299,7 +299,7 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
     def test_test_last_runs_the_tests_at_the_last_prefix_only(self) -> None:
         base = self.project.manifest().base("9.8.0")
 
-        def check(*args: object) -> PrefixResult:  # check_prefix(project, scratch, prefix, files, import_only, base)
+        def check(*args: object, **kwargs: object) -> PrefixResult:  # (project, scratch, prefix, files, import_only)
             prefix, import_only = args[2], args[4]
             assert isinstance(prefix, Prefix)
             return PrefixResult(prefix, None, tests=None if import_only else "ran")
