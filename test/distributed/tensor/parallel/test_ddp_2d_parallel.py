@@ -14,7 +14,14 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 from torch.distributed._composable.replicate import replicate
 from torch.distributed._tensor import DTensor, Replicate, Shard
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    powerSGD_hook as powerSGD,
+)
+from torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+    _hook_then_optimizer,
+    _OptimizerHookState,
+)
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -24,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import _apply_optimizer_in_backward
+from torch.distributed.optim import as_functional_optim
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     parallelize_module,
@@ -353,9 +361,11 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         parallelize_module(model, self.mesh["tp"], TP_PLAN)
         return reference, model
 
-    def inputs(self, step):
+    def inputs(self, step, dp_rank=None):
         # The same input in a TP group, different ones across dp.
-        torch.manual_seed(1000 * step + self.mesh["dp"].get_local_rank())
+        if dp_rank is None:
+            dp_rank = self.mesh["dp"].get_local_rank()
+        torch.manual_seed(1000 * step + dp_rank)
         return torch.randn(4, DIM, device=self.device_type)
 
     def wrap(self, model, wrap="ddp", **options):
@@ -524,6 +534,75 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_comm_hook(self):
         self.check_parity(comm_hook=default_hooks.fp16_compress_hook)
+
+    def check_hook_trains_as_tp_alone(self, register, optim=True, **options):
+        """
+        DDP of the TP model with the comm hook that ``register(ddp)`` registers,
+        against TP alone on the dp group's batch (the mean of its ranks' losses),
+        both stepped by SGD: by ``optim``, or by the hook.
+        """
+        _, model = self.build()
+        tp_alone = copy.deepcopy(model)
+        ddp = self.wrap(model, **options)
+        register(ddp)
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, tp_alone)]
+        dp_size = self.mesh["dp"].size()
+        for step in range(3):
+            ddp(self.inputs(step)).pow(2).sum().backward()
+            losses = [
+                tp_alone(self.inputs(step, r)).pow(2).sum() for r in range(dp_size)
+            ]
+            (sum(losses) / dp_size).backward()
+            for o in optims if optim else optims[1:]:
+                o.step()
+            for m in (model, tp_alone):
+                m.zero_grad()
+        self.assertEqual(full_state(model), full_state(tp_alone), atol=1e-5, rtol=1e-5)
+
+    def test_comm_hook_keyed_by_parameter(self):
+        """_hook_then_optimizer steps the module's parameters, as TP alone's SGD."""
+
+        def register(ddp):
+            sgd = as_functional_optim(torch.optim.SGD, lr=0.1)
+            state = _OptimizerHookState(sgd, ddp.module.parameters())
+            hook = _hook_then_optimizer(default_hooks.allreduce_hook, state)
+            ddp.register_comm_hook(self.mesh["dp"].get_group(), hook)
+
+        for bucket_view in (False, True):
+            self.check_hook_trains_as_tp_alone(
+                register, optim=False, gradient_as_bucket_view=bucket_view
+            )
+
+    def test_bf16_compress_hook(self):
+        """
+        Against DDP without TP and the same hook, which rounds each gradient
+        element alike (TP alone does not round). Under another name: DDP
+        refuses bf16_compress_hook without NCCL 2.10.
+        """
+
+        def bf16_hook(state, bucket):
+            return default_hooks.bf16_compress_hook(state, bucket)
+
+        self.check_parity(comm_hook=bf16_hook)
+
+    def test_powerSGD_hook(self):
+        """
+        PowerSGD compresses the local tensor of a DTensor gradient: of full rank
+        (lossless), it trains as TP alone.
+        """
+
+        def register(ddp):
+            state = powerSGD.PowerSGDState(
+                self.mesh["dp"].get_group(),
+                matrix_approximation_rank=DIM,  # no matrix has a smaller side over DIM
+                start_powerSGD_iter=0,
+                min_compression_rate=0,  # compress every matrix
+                use_error_feedback=False,
+                warm_start=False,
+            )
+            ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+
+        self.check_hook_trains_as_tp_alone(register)
 
     def test_find_unused_parameters(self):
         """A block unused on one dp rank, or on every rank, and zero_grad() late."""

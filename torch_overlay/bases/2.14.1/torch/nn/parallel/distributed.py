@@ -435,6 +435,44 @@ def _as_dtensor(tensor: torch.Tensor, param) -> torch.Tensor:
     )
 
 
+class _DTensorGradBucket:
+    """
+    A bucket as a comm hook of DDP over plain parameters sees it: the module's
+    parameters, and each DTensor parameter's gradient as a DTensor of the
+    bucket's view, as it will be ``param.grad``. ``buffer()`` holds local tensors.
+    """
+
+    def __init__(self, bucket: "dist.GradBucket", params: dict) -> None:
+        self._bucket = bucket
+        self._params = params  # the DTensor parameters, by the reducer's aliases
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.buffer()
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._bucket.set_buffer(buffer)
+
+    def is_last(self) -> bool:
+        return self._bucket.is_last()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._params.get(p, p) for p in self._bucket.parameters()]
+
+    def gradients(self) -> list[torch.Tensor]:
+        params = map(self._params.get, self._bucket.parameters())
+        return [
+            grad if param is None else _as_dtensor(grad, param)
+            for param, grad in zip(params, self._bucket.gradients())
+        ]
+
+
+def _run_dtensor_comm_hook(hook, params, state, bucket):
+    return hook(state, _DTensorGradBucket(bucket, params))
+
+
 # Add a DDPSink to run various functions when backwards starts, such as
 # queueing call back of out-most backward/graph task,
 # this helps call back is fired after all gradients' calculation
@@ -2474,6 +2512,12 @@ class DistributedDataParallel(Module, Joinable):
             raise AssertionError("self.logger must not be None")
         self.logger._set_comm_hook_name(hook.__qualname__)
         self._comm_hooks.append((hook, state))
+        if self._dtensor_params:
+            # NOTE: the reducer buckets aliases of the DTensor parameters' local
+            # tensors; a hook keyed by parameter (_hook_then_optimizer) needs the
+            # module's, with DTensor gradients in their placements.
+            params = {e.local_tensor: e.param for e in self._dtensor_params}
+            hook = functools.partial(_run_dtensor_comm_hook, hook, params)
         dist._register_comm_hook(self.reducer, state, hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type):
@@ -2568,10 +2612,6 @@ class DistributedDataParallel(Module, Joinable):
         # import as optimizer_overlap module needs to import DistributedDataParallel.
         from torch.distributed.algorithms._optimizer_overlap import _as_overlapped_optim
 
-        if optim_params is not None and self._dtensor_params:
-            # The buckets hold the local tensors of DTensor parameters.
-            local = {e.param: e.local_tensor for e in self._dtensor_params}
-            optim_params = [local.get(p, p) for p in optim_params]
         overlapped_optim = _as_overlapped_optim(optim, optim_params, *args, **kwargs)
         try:
             overlapped_optim.register_ddp(self)
