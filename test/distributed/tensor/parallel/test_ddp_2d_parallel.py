@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import 
     _hook_then_optimizer,
     _OptimizerHookState,
 )
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -34,6 +35,7 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 from torch.distributed.optim import as_functional_optim
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    loss_parallel,
     parallelize_module,
     RowwiseParallel,
     SequenceParallel,
@@ -42,7 +44,7 @@ from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import run_tests, TemporaryDirectoryName
 
 from torch.testing._internal.distributed._tensor.common_dtensor import (
     DTensorContinuousTestBase,
@@ -294,6 +296,20 @@ class SPNormModel(nn.Sequential):
             nn.LayerNorm(DIM),
             nn.Linear(DIM, VOCAB),
             nn.Linear(VOCAB, VOCAB),
+        )
+
+
+class VocabParallelLM(nn.Sequential):
+    """A vocabulary-parallel embedding and an output sharded over the vocabulary."""
+
+    plan = {
+        "0": RowwiseParallel(input_layouts=Replicate()),
+        "2": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Embedding(VOCAB, DIM), nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
         )
 
 
@@ -779,21 +795,6 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             self.assertGreater(compiles[0], 2, backend)
             self.assertEqual(compiles, [compiles[0]] * 3, backend)
 
-    def test_python_reducer_move_after_wrapping_raises(self):
-        """
-        The Python reducer's hooks do not follow a DTensor parameter that .to() or
-        .float() after wrapping swapped: the next forward raises on every rank.
-        """
-        for move in (lambda m: m.to(self.device_type), lambda m: m.float()):
-            with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-                _, model = self.build()
-                ddp = self.wrap(model)
-                move(model)
-                with self.assertRaisesRegex(
-                    RuntimeError, "replaced, moved or cast after wrapping"
-                ):
-                    ddp(self.inputs(0))
-
     def test_dtensor_buffer_broadcast(self):
         """
         A DTensor buffer (a replicated scale) is broadcast from dp rank 0 at each
@@ -932,10 +933,26 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         with self.assertRaisesRegex(NotImplementedError, "_register_fused_optim"):
             ddp(self.inputs(0))
 
-    def test_python_reducer(self):
-        """Compiled autograd's DDP path (optimize_ddp="python_reducer"), eager."""
-        with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-            self.check_parity()
+    def test_python_reducer_raises(self):
+        """
+        The Python reducer (optimize_ddp="python_reducer") is compiled autograd's
+        DDP path, and compiled autograd cannot trace the gradient hooks of DTensor
+        parameters: every rank raises at wrapping (replicate: at its first
+        forward), before any collective of the backward.
+        """
+        for wrap, compiled_autograd in itertools.product(WRAPS, (False, True)):
+            config = torch._dynamo.config.patch(
+                optimize_ddp="python_reducer", compiled_autograd=compiled_autograd
+            )
+            _, model = self.build()
+            with (
+                config,
+                self.assertRaisesRegex(
+                    NotImplementedError, "Python reducer .* does not support DTensor"
+                ),
+            ):
+                self.wrap(model, wrap)(self.inputs(0)).sum().backward()
+        dist.barrier()  # every rank raised alike
 
     def test_join_uneven_inputs(self):
         """join() with one more batch on one dp rank than on the other."""
@@ -1254,6 +1271,119 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
             lm_loss(call, tokens).backward()
             grads.append({n: full(p.grad) for n, p in params.items()})
         self.assertEqual(grads[0], grads[1])
+
+    def check_step_parity(self, ddp, model, tp_alone, step_fn, steps=3, average=False):
+        """
+        ``step_fn(module, tokens)`` (forward and backward) of ``ddp`` and of
+        ``tp_alone`` on the global batch (``average``: on each dp rank's batch,
+        gradients averaged): the same step-0 gradients, the same parameters
+        after AdamW steps, Replicate parameters equal over TP.
+        """
+        optim, ref_optim = self.optims(model, tp_alone)
+        dp = self.mesh["dp"].size()
+        for step in range(steps):
+            step_fn(ddp, self.tokens(step))
+            tokens = self.tokens(step, global_batch=True)
+            for batch in tokens.chunk(dp) if average else (tokens,):
+                step_fn(tp_alone, batch)
+            for p in tp_alone.parameters() if average else ():
+                p.grad.div_(dp)
+            if step == 0:
+                for name, ref in tp_alone.named_parameters():
+                    grad = model.get_parameter(name).grad
+                    self.assertEqual(full(grad), full(ref.grad), msg=name)
+            for o in (optim, ref_optim):
+                o.step()
+                o.zero_grad()
+        self.assertEqual(full_state(model), full_state(tp_alone))
+        self.assert_replicated_over_tp(model)
+
+    def test_transformer_autocast(self):
+        """CPU bf16 torch.autocast around the forward trains as TP alone."""
+
+        def step(module, tokens):
+            with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                logits = module(tokens)
+            target = tokens.roll(-1, 1).flatten()
+            F.cross_entropy(logits.float().flatten(0, 1), target).backward()
+
+        for seq_parallel in (False, True):
+            tp_alone, model = self.build_transformer(seq_parallel)
+            ddp = self.wrap(model)
+            # Per dp batch: bf16 matmuls over a half and the whole batch round apart.
+            self.check_step_parity(ddp, model, tp_alone, step, average=True)
+
+    def test_loss_parallel(self):
+        """
+        loss_parallel() over logits sharded over the vocabulary (DTensor outputs
+        of DDP's forward) trains as TP alone.
+        """
+
+        def step(module, tokens):
+            logits = module(tokens)
+            self.assertEqual(logits.placements, (Shard(2),))
+            with loss_parallel():
+                target = tokens.roll(-1, 1).flatten()
+                F.cross_entropy(logits.flatten(0, 1), target).backward()
+
+        torch.manual_seed(0)
+        module = VocabParallelLM().to(self.device_type)
+        for wrap in WRAPS:
+            model, tp_alone = (
+                parallelize_module(copy.deepcopy(module), self.mesh["tp"], module.plan)
+                for _ in range(2)
+            )
+            ddp = self.wrap(model, wrap)
+            self.check_step_parity(ddp, model, tp_alone, step)
+
+    def test_dcp_resume_onto_another_mesh(self):
+        """
+        A DDP(TP) model and its optimizer saved by DCP on a dp x tp mesh load on
+        another layout (tp=4; dp and tp swapped), as TP alone's would.
+        """
+        _, model = self.build()
+        ddp = self.wrap(model)
+        optim = self.optims(model)[0]
+        for step in range(2):
+            self.step([(ddp, optim)], step)
+        saved = full_state(model)
+        saved_optim = {
+            fqn: {k: full(v) for k, v in state.items()}
+            for fqn, state in get_optimizer_state_dict(ddp, optim)["state"].items()
+        }
+        with TemporaryDirectoryName() as path:
+            paths = [path]
+            dist.broadcast_object_list(paths)  # rank 0's directory
+            dcp.save(
+                {
+                    "model": get_model_state_dict(ddp),
+                    "optim": get_optimizer_state_dict(ddp, optim),
+                },
+                checkpoint_id=paths[0],
+            )
+            for shape, names in (((1, 4), ("dp", "tp")), ((2, 2), ("tp", "dp"))):
+                mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+                torch.manual_seed(1)
+                fresh = TPModel().to(self.device_type)
+                parallelize_module(fresh, mesh["tp"], TP_PLAN)
+                fresh_ddp = DDP(fresh, device_mesh=mesh["dp"])
+                fresh_optim = self.optims(fresh)[0]
+                state = {
+                    "model": get_model_state_dict(fresh_ddp),
+                    "optim": get_optimizer_state_dict(fresh_ddp, fresh_optim),
+                }
+                dcp.load(state, checkpoint_id=paths[0])
+                set_model_state_dict(fresh_ddp, state["model"])
+                set_optimizer_state_dict(fresh_ddp, fresh_optim, state["optim"])
+                msg = f"mesh {dict(zip(names, shape, strict=True))}"
+                self.assertEqual(full_state(fresh), saved, atol=0, rtol=0, msg=msg)
+                fresh_osd = get_optimizer_state_dict(fresh_ddp, fresh_optim)["state"]
+                for fqn, expected in saved_optim.items():
+                    actual = {k: full(v) for k, v in fresh_osd[fqn].items()}
+                    self.assertEqual(
+                        actual, expected, atol=0, rtol=0, msg=f"{msg} {fqn}"
+                    )
+                dist.barrier()
 
 
 if __name__ == "__main__":

@@ -1125,6 +1125,19 @@ class DistributedDataParallel(Module, Joinable):
         self._check_dtensor_param_groups(agree=init_sync)
         # used for intra-node param sync and inter-node sync as well
         self.broadcast_bucket_size = 250 * 1024 * 1024
+        if self._use_python_reducer and any(
+            _local_tensor(p) is not p for p in self._module_parameters
+        ):
+            # Its hooks are there for compiled autograd, which cannot trace them on
+            # DTensors: it would fail in backward, not always on every rank.
+            self._log_and_throw(
+                NotImplementedError,
+                "DistributedDataParallel's Python reducer "
+                '(optimize_ddp="python_reducer") does not support DTensor '
+                "parameters: compiled autograd cannot trace their gradient hooks.\n"
+                'Set torch._dynamo.config.optimize_ddp = "ddp_optimizer" (the '
+                "default, DDP's C++ reducer) with compiled autograd off.",
+            )
 
         # Initialize bucket capacity configuration using the factory method
         self._bucket_config = _BucketCapacityConfig.create(
