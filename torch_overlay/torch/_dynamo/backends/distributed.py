@@ -632,8 +632,6 @@ class DDPOptimizer:
 
         # stash buckets for testing/debugging purposes
         self.buckets = buckets
-        pretty_print_buckets(buckets, self.bucket_bytes_cap)
-
         if len(buckets) == 1 and not_split_at:
             first = next(n for n in gm.graph.nodes if n in not_split_at)
             torch._logging.warning_once(
@@ -645,6 +643,7 @@ class DDPOptimizer:
                 "in graph order).",
                 first.name,
             )
+        pretty_print_buckets(buckets, self.bucket_bytes_cap)
 
         if len(buckets) == 1:
             # bypass split/fuse logic if there is only one bucket

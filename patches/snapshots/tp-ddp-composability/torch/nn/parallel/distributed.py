@@ -1681,9 +1681,9 @@ class DistributedDataParallel(Module, Joinable):
     def __getstate__(self):
         self._check_default_group()
         attrs = copy.copy(self.__dict__)
+        attrs.pop("_dtensor_params", None)  # registered again with the reducer
         del attrs["process_group"]
         del attrs["reducer"]
-        attrs.pop("_dtensor_params", None)  # registered again with the reducer
         del attrs["logger"]
         # broadcast_buffers is a property; include it for backward compat.
         attrs["broadcast_buffers"] = self.forward_sync_buffers
