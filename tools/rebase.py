@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import tokenize
@@ -61,7 +62,7 @@ class MergeResult:
         if self.conflicts:
             return f"CONFLICT ({self.conflicts} conflicting hunks)"
         if self.not_applying:
-            return f"merges cleanly, but the series does not apply: {self.not_applying}"
+            return f"merges cleanly, but {self.not_applying}"
         return "clean"
 
 
@@ -86,8 +87,8 @@ def apply_problems(project: Project, theirs: dict[str, bytes], version: str) -> 
         try:
             apply_series({path: content}, needed, [f"--include={path}"])
         except PatchApplyError as e:
-            first = e.stderr.splitlines()[0] if e.stderr else "git apply failed"
-            problems[path] = f"patches/{e.patch.name}: {first}"
+            at = re.search(rf"patch failed: {re.escape(path)}:(\d+)", e.stderr)
+            problems[path] = f"patches/{e.patch.name} does not apply" + (f" (its hunk at line {at[1]})" if at else "")
     return problems
 
 
@@ -268,14 +269,18 @@ def rebase(project: Project, upstream: Path, version: str | None = None, sources
         print(f"{r.path}: {r.report()}")
     failed = [r.path for r in results if r.conflicts or r.not_applying]
     if failed:
-        out = write_for_review(project, version, results)
+        out = write_for_review(project, version, results).relative_to(project.root)
         print(
-            f"rebase: nothing changed. Fix the payload, not {out.relative_to(project.root)} (the merges there, "
-            "conflict markers included, are for reading; this tool never reads them back): in "
-            f"{', '.join(f'torch_overlay/{p}' for p in failed)}, move our change off the lines torch {version} has "
-            "otherwise (a conflict: lines it changed next to ours; a series that does not apply: a patch's context "
-            "lines), so that one payload merges onto every base; then `make patches`, `make check` and this command "
-            "again (docs/patches.md, 'Add a torch release')",
+            f"rebase: nothing changed. Fix the payload, not {out} (the merges there are for reading only):",
+            file=sys.stderr,
+        )
+        for path in failed:
+            print(
+                f"  torch_overlay/{path}: move our change off the lines torch {version} has otherwise", file=sys.stderr
+            )
+        print(
+            "  (CONFLICT: lines it changed next to ours; does not apply: a patch's context lines), then\n"
+            "  `make patches`, `make check` and `make rebase` again (docs/patches.md, 'Add a torch release')",
             file=sys.stderr,
         )
         return 1

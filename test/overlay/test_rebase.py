@@ -98,7 +98,10 @@ Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tel
 exit 1
 torch/fake/alpha.py: CONFLICT (1 conflicting hunks)
 torch/fake/beta.py: clean
-rebase: nothing changed. Fix the payload, not build/rebase-10.0.0 (the merges there, conflict markers included, are for reading; this tool never reads them back): in torch_overlay/torch/fake/alpha.py, move our change off the lines torch 10.0.0 has otherwise (a conflict: lines it changed next to ours; a series that does not apply: a patch's context lines), so that one payload merges onto every base; then `make patches`, `make check` and this command again (docs/patches.md, 'Add a torch release')
+rebase: nothing changed. Fix the payload, not build/rebase-10.0.0 (the merges there are for reading only):
+  torch_overlay/torch/fake/alpha.py: move our change off the lines torch 10.0.0 has otherwise
+  (CONFLICT: lines it changed next to ours; does not apply: a patch's context lines), then
+  `make patches`, `make check` and `make rebase` again (docs/patches.md, 'Add a torch release')
 """,
         )
         self.assertEqual(self.snapshot(), self.before)
@@ -114,9 +117,12 @@ rebase: nothing changed. Fix the payload, not build/rebase-10.0.0 (the merges th
             text,
             """\
 exit 1
-torch/fake/alpha.py: merges cleanly, but the series does not apply: patches/0001-fix-alpha.patch: error: patch failed: torch/fake/alpha.py:1
+torch/fake/alpha.py: merges cleanly, but patches/0001-fix-alpha.patch does not apply (its hunk at line 1)
 torch/fake/beta.py: clean
-rebase: nothing changed. Fix the payload, not build/rebase-9.7.0 (the merges there, conflict markers included, are for reading; this tool never reads them back): in torch_overlay/torch/fake/alpha.py, move our change off the lines torch 9.7.0 has otherwise (a conflict: lines it changed next to ours; a series that does not apply: a patch's context lines), so that one payload merges onto every base; then `make patches`, `make check` and this command again (docs/patches.md, 'Add a torch release')
+rebase: nothing changed. Fix the payload, not build/rebase-9.7.0 (the merges there are for reading only):
+  torch_overlay/torch/fake/alpha.py: move our change off the lines torch 9.7.0 has otherwise
+  (CONFLICT: lines it changed next to ours; does not apply: a patch's context lines), then
+  `make patches`, `make check` and `make rebase` again (docs/patches.md, 'Add a torch release')
 """,
         )
         self.assertEqual(self.snapshot(), self.before)
