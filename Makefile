@@ -30,7 +30,9 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml torch_overlay/manifest.json
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "torch==$(TORCH)"
+	# setuptools>=77 (pyproject's build requirement: test_install builds a wheel in the venv), resolved with torch, so
+	# within what torch pins (2.11 and 2.12: setuptools<82; their venvs would otherwise keep Python's 65.5)
+	$(PIP) install --quiet "torch==$(TORCH)" "setuptools>=77"
 	echo "torch==$(TORCH)" > $(VENV)/torch-constraint.txt
 	$(PIP) install --quiet -c $(VENV)/torch-constraint.txt -e '.[dev]'
 	$(PY) -c 'import sys, torch; v = torch.__version__.split("+")[0]; sys.exit(0 if v == "$(TORCH)" else f"{sys.prefix}: torch {v}, not $(TORCH)")'

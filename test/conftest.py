@@ -23,6 +23,7 @@ TEST_DIR = Path(__file__).resolve().parent
 BOOT_DIR = TEST_DIR / "overlay" / "boot"
 RED_LIST = TEST_DIR / "overlay" / "red_on_stock.txt"
 sys.path.insert(0, str(TEST_DIR.parent))  # tools/, when pytest runs from elsewhere
+sys.path.insert(0, str(BOOT_DIR))  # _torch_harness: the ranks get it from the boot directory's sitecustomize
 
 
 def fixed_upstream(version: str) -> dict[str, str]:
@@ -70,8 +71,12 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(BOOT_DIR), str(TEST_DIR.parent), os.environ.get("PYTHONPATH")])
     )
+    import _torch_harness
+
     import torch_overlay._loader as loader
     from torch_overlay._guard import check_base
+
+    _torch_harness.install()  # before any test module imports the harness
 
     if stock:
         loader.deactivate()
@@ -113,6 +118,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    # NOTE: a harness without a dead-rank check (torch 2.11's MultiProcContinuousTest) would wait for ever on a
+    # rank that died: RankWatch gives that rank's result as torch 2.12+'s harness does (a no-op there).
+    from _torch_harness import RankWatch
+
+    cls = getattr(item, "cls", None)
+    if not RankWatch.watches(cls):
+        yield
+        return
+
+    watch = RankWatch(cls).start(item.name)
+    try:
+        yield
+    finally:
+        watch.stop()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -1,12 +1,16 @@
 """``make rebase UPSTREAM=<wheel|dir>``: add a torch release as a base of the overlay, in place.
 
 For each manifest file, ``git merge-file`` merges ours (the overlay) with theirs (the release's file) over the
-payload base's pristine file, and each file is reported clean or conflicted. Then:
+payload base's pristine file; for a release older than the payload's base, the series it would get is also applied
+to its file with ``git apply``, as the sync check applies it. Each file is reported clean, conflicted, or not
+applying (a patch's context lines changed upstream, though the merge is clean). Either way, the fix goes into
+the payload (``torch_overlay/torch``: our change moved off the lines the release has otherwise), never into
+``build/``. Then:
 
 - the release ships a file that the overlay adds as a new module (a private helper no base has): it is
   refused, naming the file, and nothing changes (the overlay would shadow upstream's module with its own);
-- a conflict: the merges, conflict markers included, are written to ``build/rebase-<version>/`` and nothing
-  in the project changes;
+- a conflict, or a patch that does not apply: the merges, conflict markers included, are written to
+  ``build/rebase-<version>/`` for reading (the tool never reads them back) and nothing in the project changes;
 - otherwise the release joins ``manifest.json`` (its files' sha256), a newer release's files become the
   payload (the merge), and each
   runtime file (one the overlay serves at run time) gets what serves every base: where a base's file differs
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import tokenize
@@ -32,10 +37,12 @@ from tools.check import check
 from tools.patches import PatchError, generate, generated_files, write
 from tools.pristine import BaseSourceError, pristine, read_paths
 from tools.project import Project, default_project
+from tools.series import load_series, series_for
 from torch_overlay import _git
 from torch_overlay._atomic import write_atomically
 from torch_overlay._guard import read_torch_version
 from torch_overlay._manifest import code_sha256, load_manifest, public_version, sha256_hex, version_key
+from torch_overlay._patchset import PatchApplyError, apply_series
 
 
 class RebaseError(RuntimeError):
@@ -48,6 +55,15 @@ class MergeResult:
     conflicts: int
     merged: bytes
     """The merge; with conflict markers when ``conflicts``."""
+    not_applying: str = ""
+    """Why the release's series does not ``git apply`` to its file (empty: it applies), as the sync check says."""
+
+    def report(self) -> str:
+        if self.conflicts:
+            return f"CONFLICT ({self.conflicts} conflicting hunks)"
+        if self.not_applying:
+            return f"merges cleanly, but {self.not_applying}"
+        return "clean"
 
 
 def merge(base: dict[str, bytes], ours: dict[str, bytes], theirs: dict[str, bytes], version: str) -> list[MergeResult]:
@@ -57,6 +73,23 @@ def merge(base: dict[str, bytes], ours: dict[str, bytes], theirs: dict[str, byte
         conflicts, merged = _git.merge_file(ours[path], base[path], theirs[path], labels)
         results.append(MergeResult(path, conflicts, merged))
     return results
+
+
+def apply_problems(project: Project, theirs: dict[str, bytes], version: str) -> dict[str, str]:
+    """Path -> why the series a base of ``version`` would get (patches/, backports included where it needs them)
+    does not ``git apply`` in order to the release's file, the first patch that fails named; as the sync check
+    applies it. A clean 3-way merge does not imply it: a patch needs its context lines as they are."""
+    patches = load_series(project.series_toml)
+    files = {p.name: project.patches_dir / f"{k:04d}-{p.name}.patch" for k, p in enumerate(patches, 1)}
+    needed = [files[p.name] for p in series_for(patches, version) if files[p.name].is_file()]
+    problems = {}
+    for path, content in theirs.items():
+        try:
+            apply_series({path: content}, needed, [f"--include={path}"])
+        except PatchApplyError as e:
+            at = re.search(rf"patch failed: {re.escape(path)}:(\d+)", e.stderr)
+            problems[path] = f"patches/{e.patch.name} does not apply" + (f" (its hunk at line {at[1]})" if at else "")
+    return problems
 
 
 def _ships(source: Path, path: str) -> bool:
@@ -227,11 +260,29 @@ def rebase(project: Project, upstream: Path, version: str | None = None, sources
     found = pristine(project, [upstream, *sources])
     base = found.files(manifest.payload_base)
     results = merge(base, project.overlay_files(), theirs, version)
+    # An older release gets the series as it is (a newer one, the series regenerated on its files: the sync
+    # check then applies that to every other base).
+    older = version_key(version) < version_key(manifest.payload_base.version)
+    not_applying = apply_problems(project, theirs, version) if older else {}
+    results = [MergeResult(r.path, r.conflicts, r.merged, not_applying.get(r.path, "")) for r in results]
     for r in results:
-        print(f"{r.path}: {'clean' if not r.conflicts else f'CONFLICT ({r.conflicts} conflicting hunks)'}")
-    if any(r.conflicts for r in results):
-        out = write_for_review(project, version, results)
-        print(f"rebase: conflicts; nothing changed. The merges, with conflict markers, are in {out}", file=sys.stderr)
+        print(f"{r.path}: {r.report()}")
+    failed = [r.path for r in results if r.conflicts or r.not_applying]
+    if failed:
+        out = write_for_review(project, version, results).relative_to(project.root)
+        print(
+            f"rebase: nothing changed. Fix the payload, not {out} (the merges there are for reading only):",
+            file=sys.stderr,
+        )
+        for path in failed:
+            print(
+                f"  torch_overlay/{path}: move our change off the lines torch {version} has otherwise", file=sys.stderr
+            )
+        print(
+            "  (CONFLICT: lines it changed next to ours; does not apply: a patch's context lines), then\n"
+            "  `make patches`, `make check` and `make rebase` again (docs/patches.md, 'Add a torch release')",
+            file=sys.stderr,
+        )
         return 1
     for m in manifest.runtime_modules:
         if m.new or theirs[m.path] == base[m.path]:

@@ -106,6 +106,9 @@ class TestRankDevices(unittest.TestCase):
             root = Path(tmp)
             (root / "test" / "overlay").mkdir(parents=True)
             (root / "test" / "conftest.py").write_text((REPO_ROOT / "test" / "conftest.py").read_text())
+            harness = Path("overlay", "boot", "_torch_harness.py")  # the conftest's glue, without the start-up hook
+            (root / "test" / harness).parent.mkdir()
+            (root / "test" / harness).write_text((REPO_ROOT / "test" / harness).read_text())
             (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
             red = "test/test_synthetic.py::FourRanks::test_ranks_see_no_gpu a pattern\n"
             (root / "test" / "overlay" / "red_on_stock.txt").write_text(red)

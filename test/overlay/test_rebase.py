@@ -98,12 +98,34 @@ Next: `make install TORCH=10.0.0 && make test TORCH=10.0.0` (the stock stage tel
 exit 1
 torch/fake/alpha.py: CONFLICT (1 conflicting hunks)
 torch/fake/beta.py: clean
-rebase: conflicts; nothing changed. The merges, with conflict markers, are in <tmp>/project/build/rebase-10.0.0
+rebase: nothing changed. Fix the payload, not build/rebase-10.0.0 (the merges there are for reading only):
+  torch_overlay/torch/fake/alpha.py: move our change off the lines torch 10.0.0 has otherwise
+  (CONFLICT: lines it changed next to ours; does not apply: a patch's context lines), then
+  `make patches`, `make check` and `make rebase` again (docs/patches.md, 'Add a torch release')
 """,
         )
         self.assertEqual(self.snapshot(), self.before)
         review = self.project.root / "build/rebase-10.0.0/torch/fake/alpha.py"
         self.assertIn("<<<<<<< overlay/torch/fake/alpha.py", review.read_text())
+
+    def test_older_release_whose_context_lines_changed_changes_nothing(self) -> None:
+        """The merge is clean (upstream changed line 5, ours is line 3), but fix-alpha's hunk needs line 5 as
+        its context: the sync check would refuse the series on it, so the per-file report says so first."""
+        alpha = OLD_BASE["torch/fake/alpha.py"].replace("line 5\n", "line 5 old\n")
+        text = self.run_rebase(self.upstream("9.7.0", {**OLD_BASE, "torch/fake/alpha.py": alpha}))
+        self.assertExpectedInline(
+            text,
+            """\
+exit 1
+torch/fake/alpha.py: merges cleanly, but patches/0001-fix-alpha.patch does not apply (its hunk at line 1)
+torch/fake/beta.py: clean
+rebase: nothing changed. Fix the payload, not build/rebase-9.7.0 (the merges there are for reading only):
+  torch_overlay/torch/fake/alpha.py: move our change off the lines torch 9.7.0 has otherwise
+  (CONFLICT: lines it changed next to ours; does not apply: a patch's context lines), then
+  `make patches`, `make check` and `make rebase` again (docs/patches.md, 'Add a torch release')
+""",
+        )
+        self.assertEqual(self.snapshot(), self.before)
 
     def serve_alpha_at_run_time(self) -> None:
         """alpha.py served at run time too, 9.8.0's being 9.9.0's (beta.py is too short for a change upstream:

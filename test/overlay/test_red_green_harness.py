@@ -68,6 +68,7 @@ SERIES = textwrap.dedent(
 )
 
 NODE = "test/test_synthetic.py::T::"
+HARNESS = REPO_ROOT / "test" / "overlay" / "boot" / "_torch_harness.py"
 FIXED = "test/test_fixed_upstream.py::T::"
 
 
@@ -77,6 +78,8 @@ def run_stock(red_list: str, *pytest_args: str) -> subprocess.CompletedProcess:
         root = Path(tmp)
         (root / "test" / "overlay").mkdir(parents=True)
         shutil.copy(REPO_ROOT / "test" / "conftest.py", root / "test" / "conftest.py")
+        (root / "test" / "overlay" / "boot").mkdir()  # the conftest's harness glue, without the start-up hook
+        shutil.copy(HARNESS, root / "test" / "overlay" / "boot" / HARNESS.name)
         (root / "test" / "test_synthetic.py").write_text(SYNTHETIC_TESTS)
         (root / "test" / "test_fixed_upstream.py").write_text(FIXED_UPSTREAM_TESTS)
         (root / "test" / "overlay" / "red_on_stock.txt").write_text(red_list)

@@ -3,6 +3,9 @@ every interpreter, spawned test ranks included, exactly as the persistent ``.pth
 installing anything. ``TORCH_OVERLAY=0`` keeps a process tree on stock torch (``make test`` sets both).
 """
 
+import _torch_harness
+
 from torch_overlay._startup import boot
 
 boot()
+_torch_harness.install()

@@ -76,19 +76,6 @@ class Bucket:
     non_splittable_inputs: set[fx.Node] = field(default_factory=set)
 
 
-def bucket_has_external_output(bucket: Bucket) -> bool:
-    nodes_in_bucket = set()
-    # we want to iterate in reverse order, but clumsi-luckily the bucket.nodes list was already created backwards
-    # so we don't reverse it here
-    for node in bucket.nodes:
-        # assume node.op != output, since those are filtered in the original iteration
-        nodes_in_bucket.add(node)
-        for user in node.users:
-            if user not in nodes_in_bucket:
-                return True
-    return False
-
-
 def _is_split_boundary_value(value: Any) -> bool:
     """
     Whether ``value`` can pass from one split graph to the next: plain tensors,
@@ -119,6 +106,19 @@ def _add_node(bucket: Bucket, node: fx.Node) -> None:
             arg.meta.get("example_value")
         ):
             bucket.non_splittable_inputs.add(arg)
+
+
+def bucket_has_external_output(bucket: Bucket) -> bool:
+    nodes_in_bucket = set()
+    # we want to iterate in reverse order, but clumsi-luckily the bucket.nodes list was already created backwards
+    # so we don't reverse it here
+    for node in bucket.nodes:
+        # assume node.op != output, since those are filtered in the original iteration
+        nodes_in_bucket.add(node)
+        for user in node.users:
+            if user not in nodes_in_bucket:
+                return True
+    return False
 
 
 def pretty_print_buckets(buckets: list[Bucket], bucket_bytes_cap: int) -> None:
@@ -630,6 +630,8 @@ class DDPOptimizer:
                 raise AssertionError("Params should be empty if size is 0")
             del buckets[0]
 
+        # stash buckets for testing/debugging purposes
+        self.buckets = buckets
         if len(buckets) == 1 and not_split_at:
             first = next(n for n in gm.graph.nodes if n in not_split_at)
             torch._logging.warning_once(
@@ -641,9 +643,6 @@ class DDPOptimizer:
                 "in graph order).",
                 first.name,
             )
-
-        # stash buckets for testing/debugging purposes
-        self.buckets = buckets
         pretty_print_buckets(buckets, self.bucket_bytes_cap)
 
         if len(buckets) == 1:

@@ -381,6 +381,26 @@ def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
+def _sync_module_states(
+    module: Module,
+    process_group: dist.ProcessGroup,
+    broadcast_bucket_size: int,
+    src: int,
+    params_and_buffers_to_ignore: Any,
+    broadcast_buffers: bool = True,
+) -> None:
+    """``torch.distributed.utils._sync_module_states``, DTensors by their local tensors."""
+    named = [*module.named_parameters()]
+    if broadcast_buffers:
+        named += module.named_buffers()
+    states = [
+        _local_tensor(t).detach()
+        for name, t in named
+        if name not in params_and_buffers_to_ignore
+    ]
+    _sync_params_and_buffers(process_group, states, broadcast_bucket_size, src)
+
+
 @dataclass
 class _DTensorParam:
     """A DTensor parameter of the module, and what DDP keeps for it."""
@@ -1102,17 +1122,6 @@ class DistributedDataParallel(Module, Joinable):
                 stacklevel=2,
             )
 
-        # Check that a module does not have Uninitialized parameters
-        for param in self._module_parameters:
-            if isinstance(param, torch.nn.parameter.UninitializedParameter):
-                self._log_and_throw(
-                    RuntimeError,
-                    "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
-                    "Run a dummy forward pass to correctly initialize the modules",
-                )
-        self._check_dtensor_param_groups(agree=init_sync)
-        # used for intra-node param sync and inter-node sync as well
-        self.broadcast_bucket_size = 250 * 1024 * 1024
         if self._use_python_reducer and any(
             _local_tensor(p) is not p for p in self._module_parameters
         ):
@@ -1126,6 +1135,18 @@ class DistributedDataParallel(Module, Joinable):
                 'Set torch._dynamo.config.optimize_ddp = "ddp_optimizer" (the '
                 "default, DDP's C++ reducer) with compiled autograd off.",
             )
+
+        # Check that a module does not have Uninitialized parameters
+        for param in self._module_parameters:
+            if isinstance(param, torch.nn.parameter.UninitializedParameter):
+                self._log_and_throw(
+                    RuntimeError,
+                    "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+                    "Run a dummy forward pass to correctly initialize the modules",
+                )
+        self._check_dtensor_param_groups(agree=init_sync)
+        # used for intra-node param sync and inter-node sync as well
+        self.broadcast_bucket_size = 250 * 1024 * 1024
 
         # Initialize bucket capacity configuration using the factory method
         self._bucket_config = _BucketCapacityConfig.create(
@@ -1171,7 +1192,14 @@ class DistributedDataParallel(Module, Joinable):
             # Verify model equivalence.
             _verify_param_shape_across_processes(self.process_group, parameters)
             # Sync params and buffers. Ensures all DDP models start off at the same value.
-            self._sync_module_states(src=0, broadcast_buffers=init_sync_buffers)
+            _sync_module_states(
+                module=self.module,
+                process_group=self.process_group,
+                broadcast_bucket_size=self.broadcast_bucket_size,
+                src=0,
+                params_and_buffers_to_ignore=self.parameters_to_ignore,
+                broadcast_buffers=init_sync_buffers,
+            )
 
         # In debug mode, build a mapping of parameter index -> parameter.
         param_to_name_mapping = self._build_debug_param_to_name_mapping(parameters)
@@ -1509,15 +1537,6 @@ class DistributedDataParallel(Module, Joinable):
                 'device_type, (dp, tp), mesh_dim_names=("dp", "tp")).',
             )
 
-    def _sync_module_states(self, src: int, broadcast_buffers: bool) -> None:
-        """Broadcast the module's state from ``src``, DTensors by their local tensors."""
-        named = [*self.module.named_parameters()]
-        if broadcast_buffers:
-            named += self.module.named_buffers()
-        ignored, pg = self.parameters_to_ignore, self.process_group
-        states = [_local_tensor(t).detach() for n, t in named if n not in ignored]
-        _sync_params_and_buffers(pg, states, self.broadcast_bucket_size, src)
-
     # NOTE [DTensor parameters]: the module keeps its DTensor parameters. The
     # reducer holds aliases of their local tensors: a hook on each one's gradient
     # accumulator hands over the local gradient and fires the reducer's hook.
@@ -1648,6 +1667,7 @@ class DistributedDataParallel(Module, Joinable):
         (4) Logging construction-time DDP logging data
         (5) passing a handle of DDP to SyncBatchNorm Layer
         """
+        parameters = self._register_dtensor_params(parameters)
         # Notice, the parameters order is not in the order in which they are used,
         # especially in models with control flow.
         #
@@ -1676,7 +1696,6 @@ class DistributedDataParallel(Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
         )
 
-        parameters = self._register_dtensor_params(parameters)
         (
             bucket_indices,
             per_bucket_size_limits,
@@ -1746,10 +1765,10 @@ class DistributedDataParallel(Module, Joinable):
     def __getstate__(self):
         self._check_default_group()
         attrs = copy.copy(self.__dict__)
+        attrs.pop("_dtensor_params", None)  # registered again with the reducer
         del attrs["process_group"]
         del attrs["reducer"]
         del attrs["logger"]
-        attrs.pop("_dtensor_params", None)  # registered again with the reducer
         # broadcast_buffers is a property; include it for backward compat.
         attrs["broadcast_buffers"] = self.forward_sync_buffers
         return attrs
@@ -2224,8 +2243,13 @@ class DistributedDataParallel(Module, Joinable):
         self._authoritative_rank = self._find_common_rank(
             self._distributed_rank, is_last_joiner
         )
-        self._sync_module_states(
-            src=self._authoritative_rank, broadcast_buffers=self.forward_sync_buffers
+        _sync_module_states(
+            module=self.module,
+            process_group=self.process_group,
+            broadcast_bucket_size=self.broadcast_bucket_size,
+            src=self._authoritative_rank,
+            params_and_buffers_to_ignore=self.parameters_to_ignore,
+            broadcast_buffers=self.forward_sync_buffers,
         )
 
     # Schedule comm ops to match those scheduled in the reducer's backward
