@@ -137,22 +137,31 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             os.environ[name] = value
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item):
+def _watch_ranks(item: pytest.Item, teardown: bool = False):
     # NOTE: a harness without a dead-rank check (torch 2.11's MultiProcContinuousTest) would wait for ever on a
-    # rank that died: RankWatch gives that rank's result as torch 2.12+'s harness does (a no-op there).
+    # rank that died, and its tearDownClass on the ranks it left in a collective: RankWatch answers and ends
+    # them as torch 2.12+'s harness does (a no-op there).
     from _torch_harness import RankWatch
 
     cls = getattr(item, "cls", None)
     if not RankWatch.watches(cls):
         yield
         return
-
-    watch = RankWatch(cls).start(item.name)
+    watch = RankWatch(cls).start(item.name, teardown)
     try:
         yield
     finally:
         watch.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    yield from _watch_ranks(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield from _watch_ranks(item, teardown=True)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
