@@ -38,20 +38,37 @@ def fixed_upstream(version: str) -> dict[str, str]:
     return green
 
 
-def load_red_tests(path: Path = RED_LIST) -> dict[str, re.Pattern[str]]:
-    """``<node id> <pattern>`` per line: the test and what its failure on stock torch must say."""
-    red = {}
+def load_red_tests(path: Path = RED_LIST, version: str | None = None) -> dict[str, re.Pattern[str]]:
+    """``<node id> <pattern>`` per line: the test and what its failure on stock torch must say. A line
+    ``<node id>@torch<X.Y <pattern>`` gives what it says instead on the releases before X.Y (``version``, the
+    installed base), where stock's message differs."""
+    from torch_overlay._manifest import version_key
+
+    red, before = {}, {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
-        node_id, _, pattern = line.partition(" ")
+        key, _, pattern = line.partition(" ")
+        node_id, _, release = key.partition("@")
         if not pattern.strip():
             raise pytest.UsageError(f"{path}:{number}: expected '<node id> <pattern>', got {line!r}")
-        if node_id in red:
-            raise pytest.UsageError(f"{path}:{number}: {node_id} is listed twice")
+        bound = re.fullmatch(r"torch<(\d+(?:\.\d+)*)", release)
+        if release and bound is None:
+            raise pytest.UsageError(f"{path}:{number}: expected '<node id>@torch<X.Y <pattern>', got {key!r}")
+        if node_id in (before if release else red) and (not release or bound[1] in before[node_id]):
+            raise pytest.UsageError(f"{path}:{number}: {key} is listed twice")
         if not (TEST_DIR.parent / node_id.split("::", 1)[0]).is_file():
             raise pytest.UsageError(f"{path}:{number}: no file {node_id.split('::', 1)[0]} (renamed or removed?)")
-        red[node_id] = re.compile(pattern.strip())
+        if release:
+            before.setdefault(node_id, {})[bound[1]] = re.compile(pattern.strip())
+        else:
+            red[node_id] = re.compile(pattern.strip())
+    for node_id, patterns in before.items():
+        if node_id not in red:
+            raise pytest.UsageError(f"{path}: {node_id} has a pattern for older releases only; list its own first")
+        earlier = [b for b in sorted(patterns, key=version_key) if version and version_key(version) < version_key(b)]
+        if earlier:
+            red[node_id] = patterns[earlier[0]]
     return red
 
 
@@ -82,8 +99,8 @@ def pytest_configure(config: pytest.Config) -> None:
         loader.deactivate()
     else:
         loader.activate()
-    config.stash[_RED] = load_red_tests()
     base = check_base().matched
+    config.stash[_RED] = load_red_tests(version=base.version if base is not None else None)
     config.stash[_GREEN] = fixed_upstream(base.version) if stock and base is not None else {}
 
 
@@ -120,22 +137,31 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             os.environ[name] = value
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item):
+def _watch_ranks(item: pytest.Item, teardown: bool = False):
     # NOTE: a harness without a dead-rank check (torch 2.11's MultiProcContinuousTest) would wait for ever on a
-    # rank that died: RankWatch gives that rank's result as torch 2.12+'s harness does (a no-op there).
+    # rank that died, and its tearDownClass on the ranks it left in a collective: RankWatch answers and ends
+    # them as torch 2.12+'s harness does (a no-op there).
     from _torch_harness import RankWatch
 
     cls = getattr(item, "cls", None)
     if not RankWatch.watches(cls):
         yield
         return
-
-    watch = RankWatch(cls).start(item.name)
+    watch = RankWatch(cls).start(item.name, teardown)
     try:
         yield
     finally:
         watch.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    yield from _watch_ranks(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield from _watch_ranks(item, teardown=True)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

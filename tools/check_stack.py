@@ -284,7 +284,7 @@ def prefix_red_list(red_list: str, rewritten: dict[str, bytes]) -> str:
     later patch adds them), which the suite would take for renamed or removed."""
 
     def kept(line: str) -> bool:
-        path, _, test = line.partition(" ")[0].partition("::")
+        path, _, test = line.partition(" ")[0].partition("@")[0].partition("::")
         if path not in rewritten:
             return True
         *classes, name = test.split("::")  # a test of the same name in a class the prefix lacks is left out too

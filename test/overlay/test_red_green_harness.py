@@ -137,6 +137,23 @@ class RedGreenHarnessTest(unittest.TestCase):
         self.assertIn("but not with /the stock defect/", result.stdout)
         self.assertRegex(result.stdout, r"1 deselected")
 
+    def test_a_pattern_for_older_releases_applies_before_its_release_only(self):
+        """``<node id>@torch<X.Y <pattern>``: stock's message on the releases before X.Y (every base is before
+        99.0, none before 0.0.1), in place of the test's own pattern."""
+        red_list = f"{NODE}test_red_for_another_reason the stock defect\n"
+        red_list += f"{NODE}test_red_for_another_reason@torch<99.0 something else\n"
+        red_list += f"{NODE}test_red_as_listed the stock defect\n"
+        red_list += f"{NODE}test_red_as_listed@torch<0.0.1 something else\n"
+        result = run_stock(red_list, "-rA")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertRegex(result.stdout, rf"XFAIL {NODE}test_red_for_another_reason - .*/something else/")
+        self.assertRegex(result.stdout, rf"XFAIL {NODE}test_red_as_listed - .*/the stock defect/")
+
+    def test_a_pattern_for_older_releases_needs_the_test_listed(self):
+        result = run_stock(f"{NODE}test_red_as_listed@torch<99.0 the stock defect\n")
+        self.assertEqual(result.returncode, 4, result.stdout + result.stderr)
+        self.assertIn("has a pattern for older releases only; list its own first", result.stderr)
+
     def test_a_listed_file_that_is_gone_is_an_error(self):
         result = run_stock("test/test_renamed.py::T::test_red_as_listed the stock defect\n")
         self.assertEqual(result.returncode, 4, result.stdout + result.stderr)

@@ -88,11 +88,15 @@ class RankWatch:
     on stock torch, say) leaves the test, and the suite, waiting for ever. While a test runs, a thread in the
     pytest process answers for each dead rank that left no result, as torch 2.12's
     ``retrieve_result_from_completion_queue`` does, ``RuntimeError("Exited with <code>")``; a rank still silent
-    after the test's timeout (``get_timeout``) is killed, and so answered. On a harness that has the check,
-    nothing is watched.
+    after the test's timeout (``get_timeout``), or ``GRACE_S`` after another rank died (it waits for it in a
+    collective), is killed, and so answered. In the teardown of a class (``teardown=True``), whose
+    ``tearDownClass`` joins its ranks, one still alive after ``TEARDOWN_S`` is killed. On a harness that has the
+    check, nothing is watched.
     """
 
     POLL_S = 1.0
+    GRACE_S = 60.0
+    TEARDOWN_S = 120.0
 
     @staticmethod
     def watches(cls) -> bool:
@@ -110,8 +114,8 @@ class RankWatch:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
 
-    def start(self, test_id: str) -> RankWatch:
-        self.test_id = test_id
+    def start(self, test_id: str, teardown: bool = False) -> RankWatch:
+        self.test_id, self.teardown = test_id, teardown
         if self.needed:
             self.thread.start()
         return self
@@ -122,19 +126,22 @@ class RankWatch:
             self.thread.join()
 
     def _watch(self) -> None:
-        start, answered = time.monotonic(), set()
-        timeout = self.get_timeout(self.test_id)
+        start, answered, died = time.monotonic(), set(), None
+        timeout = self.TEARDOWN_S if self.teardown else self.get_timeout(self.test_id)
         while not self.done.wait(self.POLL_S):
             processes = getattr(self.cls, "processes", None) or []
             queues = getattr(self.cls, "completion_queues", None) or []
-            late = time.monotonic() - start > timeout
+            now = time.monotonic()
+            late = now - start > timeout or (died is not None and now - died > self.GRACE_S)
             # while the first test spawns them, the lists may be one apart
             for rank, (process, queue) in enumerate(zip(processes, queues, strict=False)):
-                if rank in answered or not queue.empty():
+                if rank in answered or (not self.teardown and not queue.empty()):
                     continue
                 if not process.is_alive():
-                    queue.put(RuntimeError(f"Exited with {process.exitcode}"))
+                    if not self.teardown:
+                        queue.put(RuntimeError(f"Exited with {process.exitcode}"))
                     answered.add(rank)
+                    died = now if died is None else died
                 elif late:  # then answered as dead: a result put now could be read by the next test
-                    print(f"rank-watch: {self.test_id}: rank {rank} past {timeout}s, killed", file=sys.stderr)
+                    print(f"rank-watch: {self.test_id}: rank {rank} still running, killed", file=sys.stderr)
                     process.kill()
