@@ -334,7 +334,7 @@ def run_unit(name: str, nodes: tuple[str, ...], where: str, options: tuple[str, 
     if ran.timed_out:
         started = re.findall(r"^(\S+::\S+) ", ran.output, re.MULTILINE)
         running = [n for n in started if n not in dict(outcomes)]
-        detail += f"; killed at {ran.seconds:.0f} s, in {running[-1] if running else '?'}"
+        detail += f"; killed at {ran.seconds:.0f} s, in {running[-1] if running else 'set-up or teardown'}"
     ok = ran.returncode == 0 and not counts["FAILED"] and not counts["ERROR"]
     if not ok and not ran.timed_out:
         failed = [n for n, o in outcomes if o in ("FAILED", "ERROR")]
