@@ -52,7 +52,7 @@ BOOT = ROOT / "test" / "overlay" / "boot"
 WHEELS = ROOT / ".whl"
 """Pure-Python wheels the suite needs and the machine lacks (expecttest: torch's test harness imports it)."""
 
-LIMITS = {"status": 45, "scripts": 120, "tests": 180, "bench": 135}
+LIMITS = {"status": 45, "scripts": 120, "tests": 170, "bench": 130}
 """Seconds per step: 8 minutes in all, at most."""
 
 # Each script, and its options for one rank on ``{device}``.
