@@ -103,7 +103,7 @@ class Row:
     step: str
     check: str
     result: str
-    """ok, FAILED, timeout, skipped (nothing to run) or measured (figures)."""
+    """ok, FAILED, timeout, or measured (figures)."""
     detail: str
     seconds: float
 
@@ -185,6 +185,7 @@ def result(ok: object, ran: Ran | None = None) -> str:
 
 
 def torchrun(script: str, device: str, *extra: str) -> list[str]:
+    """``script`` on one rank, as a user runs it (``--standalone``: a free port)."""
     options = [option.format(device=device) for option in SCRIPTS[script]]
     return [
         sys.executable,
@@ -230,22 +231,19 @@ def compare_script(script: str, device: str, wrapped: Ran, alone: Ran) -> Row:
 
 
 def check_scripts(limit: float, device: str) -> list[Row]:
-    runs = {(script, wrapper): None for script in SCRIPTS for wrapper in ("", "none")}
-    with ThreadPoolExecutor(len(runs)) as pool:
-        futures = {
-            key: pool.submit(run, torchrun(key[0], device, *(("--wrapper", key[1]) if key[1] else ())), limit)
-            for key in runs
-        }
-        runs = {key: future.result() for key, future in futures.items()}
-    return [compare_script(script, device, runs[script, ""], runs[script, "none"]) for script in SCRIPTS]
+    """Each script as it ships and with ``--wrapper none``, all six at once."""
+    with ThreadPoolExecutor(2 * len(SCRIPTS)) as pool:
+        wrapped = {script: pool.submit(run, torchrun(script, device), limit) for script in SCRIPTS}
+        alone = {script: pool.submit(run, torchrun(script, device, "--wrapper", "none"), limit) for script in SCRIPTS}
+        return [compare_script(s, device, wrapped[s].result(), alone[s].result()) for s in SCRIPTS]
 
 
 # 3. tests
 
 PYTEST = """
-import sys, pytest
+import json, sys, pytest
 from tools.gpu_check import Select
-sys.exit(pytest.main(sys.argv[2:], plugins=[Select(sys.argv[1].split(","))]))
+sys.exit(pytest.main(sys.argv[2:], plugins=[Select(json.loads(sys.argv[1]))]))
 """
 
 
@@ -292,7 +290,7 @@ class Select:
 def pytest_command(selection: tuple[str, ...], *options: str) -> list[str]:
     """pytest on the files of ``selection``, keeping the tests it names (:class:`Select`)."""
     files = dict.fromkeys(s.split("::")[0] for s in selection)
-    return [sys.executable, "-c", PYTEST, ",".join(selection), *options, *files]
+    return [sys.executable, "-c", PYTEST, json.dumps(selection), *options, *files]
 
 
 def collect(selection: tuple[str, ...], *options: str, limit: float = 120) -> tuple[dict[str, str], str]:
@@ -390,8 +388,8 @@ def bench_rows(size: str, t: dict[str, float], seconds: float) -> list[Row]:
         plain, tp = t[f"plain_ddp{mode}"] / t[f"plain{mode}"], t[f"tp_ddp{mode}"] / t[f"tp{mode}"]
         detail = (
             f"TP {t[f'tp{mode}']:.3f} ms, TP + DDP {t[f'tp_ddp{mode}']:.3f} ms: x{tp:.3f} "
-            f"(+{t[f'tp_ddp{mode}'] - t[f'tp{mode}']:.3f} ms; target <= {target}); plain model + DDP: x{plain:.3f} "
-            f"(+{t[f'plain_ddp{mode}'] - t[f'plain{mode}']:.3f} ms)"
+            f"({t[f'tp_ddp{mode}'] - t[f'tp{mode}']:+.3f} ms; target <= {target}); plain model + DDP: x{plain:.3f} "
+            f"({t[f'plain_ddp{mode}'] - t[f'plain{mode}']:+.3f} ms)"
         )
         if not mode:
             detail += f"; overlay / stock DDP(TP) {t['tp_ddp'] / t['tp_ddp_stock']:.3f}"

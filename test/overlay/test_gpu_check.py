@@ -74,7 +74,7 @@ class TestGpuCheck(unittest.TestCase):
         ms |= {f"{k}_compiled": v for k, v in ms.items() if k != "tp_ddp_stock"}
         rows = bench_rows("launch-bound", ms, 1.0)
         self.assertEqual([r.check for r in rows], ["launch-bound, eager", "launch-bound, compiled"])
-        self.assertIn("TP + DDP 2.200 ms: x1.100", rows[0].detail)
+        self.assertIn("TP + DDP 2.200 ms: x1.100 (+0.200 ms", rows[0].detail)
         self.assertIn("plain model + DDP: x1.500", rows[0].detail)
         self.assertIn("overlay / stock DDP(TP) 1.100", rows[0].detail)
 
