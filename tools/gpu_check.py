@@ -13,7 +13,8 @@ can hang it; a child past its limit is killed with its process group and reporte
 2. ``scripts``: the example and the two recipes under torchrun, one rank on the GPU (NCCL, a 1 x 1 mesh: DDP's
    reducer, the DTensor hooks and the comm path all run), each as it ships (TP + DDP, or TP + ``replicate()``) and
    with ``--wrapper none`` (TP alone). Each run must pass the script's own resume check, and the data-parallel run
-   must give TP alone's losses, step for step.
+   must give TP alone's losses, step for step. Beside them, the example's model on a 2 x 2 mesh, 4 ranks sharing
+   the GPU over gloo with CUDA tensors, against the plain model trained on the whole batch.
 3. ``tests``: the suite's TP + DDP and FSDP test classes, each its own pytest under the step's time limit, several
    at once. With one GPU the classes of 2 or 4 ranks run them on CPU with gloo (the suite hides the GPU from them,
    tools/rank_devices.py); those that take one rank per GPU run it on the GPU with NCCL, upstream's too (the CPU
@@ -231,11 +232,85 @@ def compare_script(script: str, device: str, wrapped: Ran, alone: Ran) -> Row:
 
 
 def check_scripts(limit: float, device: str) -> list[Row]:
-    """Each script as it ships and with ``--wrapper none``, all six at once."""
-    with ThreadPoolExecutor(2 * len(SCRIPTS)) as pool:
+    """Each script as it ships and with ``--wrapper none``, and the example's model on 4 ranks sharing the device,
+    all at once."""
+    with ThreadPoolExecutor(2 * len(SCRIPTS) + 1) as pool:
         wrapped = {script: pool.submit(run, torchrun(script, device), limit) for script in SCRIPTS}
         alone = {script: pool.submit(run, torchrun(script, device, "--wrapper", "none"), limit) for script in SCRIPTS}
-        return [compare_script(s, device, wrapped[s].result(), alone[s].result()) for s in SCRIPTS]
+        shared = pool.submit(run, [sys.executable, "-c", SHARED, device], limit)
+        rows = [compare_script(s, device, wrapped[s].result(), alone[s].result()) for s in SCRIPTS]
+        return [*rows, shared_row(device, shared.result())]
+
+
+# NCCL cannot put two ranks on one GPU; gloo can, with CUDA tensors (it stages them through the host).
+SHARED = """
+import json, sys
+from tools.gpu_check import SHARED_RANKS, shared_device_worker
+from tools.ranks import run_ranks
+results = run_ranks(shared_device_worker, SHARED_RANKS, sys.argv[1])
+print("SHARED", json.dumps(sorted(results) if results else None))
+"""
+SHARED_RANKS, SHARED_STEPS = 4, 5
+
+
+def shared_device_worker(rank: int, init_file: str, device_type: str, queue) -> None:
+    """One of 4 ranks on one device (cuda:0, or the CPU), gloo, a 2 x 2 (dp x tp) mesh: the example's model, its
+    TP plan and DDP (``build``), trained a few steps as the example trains, and its plain model trained on the whole
+    batch (both dp ranks' batches) as the reference. Puts (rank, TP + DDP's losses, the reference's, its DTensor
+    parameters after training and TP alone's)."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    spec = importlib.util.spec_from_file_location("tp_ddp_train", ROOT / "examples" / "tp_ddp_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(0)  # every rank: before the mesh, which would pick a device by rank
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SHARED_RANKS)
+    mesh = init_device_mesh(device.type, (SHARED_RANKS // 2, 2), mesh_dim_names=("dp", "tp"))
+    model, optimizer = example.build(mesh, device)
+    torch.manual_seed(0)  # build()'s seed: the reference starts from the TP model's full weights
+    reference = example.Model().to(device)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    got, want = [], []
+    for step in range(SHARED_STEPS):
+        tokens, targets = example.batch(step, mesh["dp"].get_local_rank(), device)
+        got.append(example.train_step(model, optimizer, tokens, targets).item())
+        batches = [example.batch(step, dp, device) for dp in range(mesh["dp"].size())]
+        loss = sum(F.cross_entropy(reference(t).flatten(0, 1), y.flatten()) for t, y in batches) / len(batches)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1.0)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        want.append(loss.item())
+    tp_alone = sum(isinstance(p, DTensor) for p in example.build(mesh, device, "none")[0].parameters())
+    queue.put((rank, got, want, sum(isinstance(p, DTensor) for p in model.parameters()), tp_alone))
+    dist.destroy_process_group()
+
+
+def shared_row(device: str, ran: Ran) -> Row:
+    check = f"tp_ddp_train.py's model: TP + DDP, 2 x 2 mesh, {SHARED_RANKS} ranks on one {device}, gloo"
+    found = re.search(r"^SHARED (.*)$", ran.output, re.MULTILINE)
+    results = json.loads(found[1]) if found else None
+    if ran.timed_out or not results:
+        return Row("2 scripts", check, result(False, ran), f"exit {ran.returncode}; {tail(ran.output)}", ran.seconds)
+    _, got, want, kept, made = results[0]
+    same = all(r[1:] == results[0][1:] for r in results) and all(
+        math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-5) for x, y in zip(got, want, strict=True)
+    )
+    diff = max(abs(x - y) for x, y in zip(got, want, strict=True))
+    detail = (
+        f"{len(got)} steps, losses {got[0]:.6f} .. {got[-1]:.6f}; largest difference from the plain model on the "
+        f"whole batch {diff:.2g}; DTensor parameters under DDP: {kept} of TP's {made}"
+    )
+    same = same and kept == made
+    return Row("2 scripts", check, result(same), detail, ran.seconds)
 
 
 # 3. tests

@@ -1,6 +1,7 @@
 """``make gpu-check`` (tools/gpu_check.py) where no GPU is: its dry run finds everything it would run on one, its
 time limits end what runs past them, children included, and its checks judge what the scripts print."""
 
+import json
 import os
 import sys
 import textwrap
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from scratch_env import REPO_ROOT, clean_env, run
 
-from tools.gpu_check import SCRIPTS, Ran, bench_rows, compare_script
+from tools.gpu_check import SCRIPTS, Ran, bench_rows, compare_script, shared_row
 from tools.gpu_check import run as run_limited
 
 
@@ -68,6 +69,16 @@ class TestGpuCheck(unittest.TestCase):
         self.assertEqual(row.result, "FAILED", row.detail)  # its own resume check failed
         row = compare_script(script, "cuda", printed("", ["5.0435", "4.9000"], device="cpu (gloo)"), alone)
         self.assertEqual(row.result, "FAILED", row.detail)  # not on the GPU
+
+    def test_ranks_sharing_the_device_must_train_as_the_plain_model_and_keep_dtensors(self) -> None:
+        def ran(got: list[float], kept: int) -> Ran:
+            ranks = [[rank, got, [5.0294, 4.9323], kept, 16] for rank in range(4)]
+            return Ran(0, f"SHARED {json.dumps(ranks)}\n", 1.0, False)
+
+        self.assertEqual(shared_row("cuda", ran([5.0294, 4.9323], 16)).result, "ok")
+        self.assertEqual(shared_row("cuda", ran([5.0294, 4.9400], 16)).result, "FAILED")
+        self.assertEqual(shared_row("cuda", ran([5.0294, 4.9323], 0)).result, "FAILED")  # stock: DTensors dropped
+        self.assertEqual(shared_row("cuda", Ran(None, "SHARED null\n", 9.0, True)).result, "timeout")
 
     def test_bench_rows(self) -> None:
         ms = {"plain": 1.0, "plain_ddp": 1.5, "tp": 2.0, "tp_ddp": 2.2, "tp_ddp_stock": 2.0}
