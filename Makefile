@@ -152,3 +152,10 @@ bench-clip: install
 
 bench-foreach: install
 	$(PY) -m tools.bench_foreach
+
+# On a machine with a GPU, from a copy of the working tree with its own torch (nothing installed; .whl/ holds the
+# wheels it lacks): the overlay's status, the example and the recipes on CUDA with NCCL against TP alone, the TP + DDP
+# and FSDP tests, the step cost, as one table (under 8 min; docs/testing.md, "On a GPU"). Without a GPU: a dry run.
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.gpu_check

@@ -15,7 +15,9 @@ MLP, the output projection tied to the embedding), then `replicate(model, device
 Fabric then materializes the model (`to_empty()` and each module's `reset_parameters()`, after wrapping). A few
 AdamW steps, `fabric.save` (a DCP checkpoint: one file per rank), `fabric.load` into a fresh model and optimizer;
 the script exits 1 unless the loaded model holds the saved values and gives the saved model's loss, and one more
-step of each gives the same loss. CPU/gloo (accelerator="cpu"), or CUDA/NCCL with --accelerator cuda.
+step of each gives the same loss. CPU/gloo (accelerator="cpu"), or CUDA/NCCL with --accelerator cuda. `--wrapper
+none` leaves the data-parallel wrapper out: TP alone (as many processes as --tp), what TP + `replicate()` on one
+data-parallel rank must train like.
 
 Why `replicate(model, device_mesh=...)` and not `DistributedDataParallel(model, device_mesh=...)` in
 `parallelize_fn`: `fabric.load` of a DCP checkpoint (lightning 2.6.6, `ModelParallelStrategy.load_checkpoint`)
@@ -61,7 +63,8 @@ def parallelize(model: Transformer, mesh, wrapper: str) -> nn.Module:
     Transformer.parallelize(model, mesh["tensor_parallel"], use_seq_parallel=True, local_output_for_attn=True)
     if wrapper == "ddp":
         return DDP(model, device_mesh=mesh["data_parallel"])  # see the docstring: fabric.load fails on it
-    replicate(model, device_mesh=mesh["data_parallel"])
+    if wrapper == "replicate":
+        replicate(model, device_mesh=mesh["data_parallel"])
     return model
 
 
@@ -118,11 +121,13 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=2, help="tensor parallel degree (divides the 4 processes)")
     parser.add_argument("--checkpoint-dir", help="where fabric.save writes (default: a temporary directory)")
     parser.add_argument("--accelerator", default="cpu", help="cpu (gloo, the default) or cuda (NCCL)")
-    parser.add_argument("--wrapper", choices=("replicate", "ddp"), default="replicate", help="see the docstring")
+    parser.add_argument("--wrapper", choices=("replicate", "ddp", "none"), default="replicate", help="see the doc")
     parser.add_argument("--no-empty-init", dest="empty_init", action="store_false", help="build on the CPU, not meta")
     args = parser.parse_args()
 
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 4))
+    if args.wrapper == "none" and devices != args.tp:
+        parser.error(f"--wrapper none trains TP alone: run as many processes as --tp ({args.tp})")
     strategy = ModelParallelStrategy(
         parallelize_fn=partial(parallelize, wrapper=args.wrapper),
         data_parallel_size=devices // args.tp,

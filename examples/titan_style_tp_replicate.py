@@ -1,6 +1,6 @@
 """A torchtitan-style training script: meta device, TP plan, replicate() over dp, to_empty() and init, DCP resume.
 
-    torchrun --nproc_per_node 4 examples/titan_style_tp_replicate.py [--tp 2] [--steps 5] [--save-at 3]
+    torchrun --nproc_per_node 4 examples/titan_style_tp_replicate.py [--tp 2] [--steps 5] [--save-at 3] [--wrapper none]
 
 In torchtitan's order: a Llama-like model (RMSNorm, rotary embeddings, SwiGLU) is built on the meta device; its
 TP plan is torchtitan's Llama plan without loss parallel (a vocabulary-parallel embedding with a sequence-sharded
@@ -12,7 +12,8 @@ a non-persistent buffer), and AdamW is built from its parameters. Each step clip
 (`get_state_dict`/`set_state_dict` of `torch.distributed.checkpoint.state_dict`), and training goes on to `--steps`.
 Then a fresh model, built the same way with other initial weights, resumes from the checkpoint and trains the same
 steps on the same batches: the script exits 1 unless the resumed run gives the first run's losses, step for step.
-NCCL when each local rank has a GPU, else gloo on CPU.
+NCCL when each local rank has a GPU, else gloo on CPU. `--wrapper none` leaves `replicate()` out: TP alone (as many
+ranks as --tp), what TP + `replicate()` on one dp rank must train like.
 
 On stock torch (no overlay) DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
 forward: training goes on without error but not as TP alone would (other losses from step 1), and the checkpoint
@@ -182,12 +183,14 @@ def parallelize(model: Transformer, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def build(mesh, device: torch.device, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Meta, TP, replicate(), to_empty() + init_weights(), then the optimizer: torchtitan's order."""
+def build(mesh, device: torch.device, seed: int, wrapper: str = "replicate") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Meta, TP, replicate() (unless ``wrapper`` is "none"), to_empty() + init_weights(), then the optimizer:
+    torchtitan's order."""
     with torch.device("meta"):
         model = Transformer(ARGS)
     parallelize(model, mesh["tp"])
-    replicate(model, device_mesh=mesh["dp"], bucket_cap_mb=100)  # torchtitan's apply_ddp
+    if wrapper == "replicate":
+        replicate(model, device_mesh=mesh["dp"], bucket_cap_mb=100)  # torchtitan's apply_ddp
     model.to_empty(device=device)
     torch.manual_seed(seed)  # the same on every rank: TP's ranks initialize one model
     model.init_weights()
@@ -241,7 +244,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="training steps in all")
     parser.add_argument("--save-at", type=int, default=3, help="the step the checkpoint is written at")
     parser.add_argument("--checkpoint-dir", help="where DCP writes (default: a temporary directory, removed after)")
+    parser.add_argument("--wrapper", choices=("replicate", "none"), default="replicate", help="none: TP alone (dp 1)")
     args = parser.parse_args()
+    if args.wrapper == "none" and int(os.environ["WORLD_SIZE"]) != args.tp:
+        parser.error(f"--wrapper none trains TP alone: run as many ranks as --tp ({args.tp})")
 
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -254,13 +260,14 @@ def main() -> int:
     mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     say = print if rank == 0 else lambda *_: None
-    say(f"{world} ranks on {device.type} ({backend}), mesh dp={world // args.tp} x tp={args.tp}")
+    alone = ", TP alone (no replicate())" if args.wrapper == "none" else ""
+    say(f"{world} ranks on {device.type} ({backend}), mesh dp={world // args.tp} x tp={args.tp}{alone}")
 
     tmp = tempfile.TemporaryDirectory(prefix="titan_style_ckpt_") if rank == 0 and not args.checkpoint_dir else None
     path = [args.checkpoint_dir or (tmp and tmp.name)]
     dist.broadcast_object_list(path)  # every rank writes into rank 0's directory (one node)
 
-    model, optimizer = build(mesh, device, seed=0)
+    model, optimizer = build(mesh, device, seed=0, wrapper=args.wrapper)
     first_run = []
     for step in range(args.steps):
         if step == args.save_at:
@@ -270,7 +277,7 @@ def main() -> int:
         say(f"step {step}: loss {first_run[-1]:.6f}")
 
     # A fresh start, as after a restart: other initial weights, so only the checkpoint can carry the run over.
-    resumed, resumed_optimizer = build(mesh, device, seed=1)
+    resumed, resumed_optimizer = build(mesh, device, seed=1, wrapper=args.wrapper)
     state = TrainState(resumed, resumed_optimizer)
     dcp.load({"train": state}, checkpoint_id=path[0])
     say(f"resumed at step {state.step}")

@@ -1,11 +1,12 @@
 """Tensor parallel + DDP on a 2-D mesh: train with clip_grad_norm_, save a DCP checkpoint, resume from it.
 
-    torchrun --nproc_per_node 4 examples/tp_ddp_train.py [--tp 2] [--steps 5] [--checkpoint-dir DIR]
+    torchrun --nproc_per_node 4 examples/tp_ddp_train.py [--tp 2] [--steps 5] [--checkpoint-dir DIR] [--wrapper none]
 
 The ranks form a (dp, tp) mesh. Each block's attention and MLP linears are split over "tp"; the embedding, the
 norms and the head stay plain parameters; DDP replicates the model over "dp". After a few steps the model and
 optimizer go to a DCP checkpoint and are loaded into fresh ones; the script exits 1 unless the resumed model
 gives the saved model's loss and trains like it. NCCL when each local rank has a GPU, else gloo on CPU.
+`--wrapper none` trains TP alone (no DDP; as many ranks as --tp): what TP + DDP on one dp rank must train like.
 """
 
 import argparse
@@ -58,8 +59,9 @@ class Model(nn.Module):
         return self.head(self.norm(x))
 
 
-def build(mesh, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """TP over mesh["tp"], then DDP over mesh["dp"], then the optimizer, from the wrapped model's parameters."""
+def build(mesh, device: torch.device, wrapper: str = "ddp") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """TP over mesh["tp"], then DDP over mesh["dp"] (unless ``wrapper`` is "none"), then the optimizer, from the
+    wrapped model's parameters."""
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Model().to(device)
     plan = {}
@@ -67,7 +69,8 @@ def build(mesh, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]
         plan |= {f"layers.{i}.{name}": ColwiseParallel() for name in ("wq", "wk", "wv", "w1")}
         plan |= {f"layers.{i}.{name}": RowwiseParallel() for name in ("wo", "w2")}
     parallelize_module(model, mesh["tp"], plan)
-    model = DDP(model, device_mesh=mesh["dp"])
+    if wrapper == "ddp":
+        model = DDP(model, device_mesh=mesh["dp"])
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
@@ -108,7 +111,10 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=2, help="tensor parallel degree (divides the world size)")
     parser.add_argument("--steps", type=int, default=5, help="training steps before the checkpoint")
     parser.add_argument("--checkpoint-dir", help="where DCP writes (default: a temporary directory, removed after)")
+    parser.add_argument("--wrapper", choices=("ddp", "none"), default="ddp", help="none: TP alone (dp must be 1)")
     args = parser.parse_args()
+    if args.wrapper == "none" and int(os.environ["WORLD_SIZE"]) != args.tp:
+        parser.error(f"--wrapper none trains TP alone: run as many ranks as --tp ({args.tp})")
 
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -121,9 +127,10 @@ def main() -> int:
     mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     say = print if rank == 0 else lambda *_: None
-    say(f"{world} ranks on {device.type} ({backend}), mesh dp={world // args.tp} x tp={args.tp}")
+    alone = ", TP alone (no DDP)" if args.wrapper == "none" else ""
+    say(f"{world} ranks on {device.type} ({backend}), mesh dp={world // args.tp} x tp={args.tp}{alone}")
 
-    model, optimizer = build(mesh, device)
+    model, optimizer = build(mesh, device, args.wrapper)
     for step in range(args.steps):
         say(f"step {step}: loss {train_step(model, optimizer, *batch(step, dp_rank, device)):.4f}")
 
@@ -138,7 +145,7 @@ def main() -> int:
     say(f"saved to {path[0]}: loss {saved_loss:.6f}")
 
     # Resume into a fresh model and optimizer: same seed, so only the checkpoint can carry the training over.
-    resumed, resumed_optimizer = build(mesh, device)
+    resumed, resumed_optimizer = build(mesh, device, args.wrapper)
     model_sd, optim_sd = get_state_dict(resumed, resumed_optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path[0])

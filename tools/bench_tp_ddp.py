@@ -4,7 +4,8 @@
    Python and dispatch, as on a GPU: the same model without and with TP (DTensor parameters), each alone and under
    DDP (the overlay's; stock's DDP(TP) too), eager and compiled (inductor). DDP's added milliseconds over TP alone
    are printed next to its added milliseconds over the plain model: DDP should cost a TP model what it costs a
-   plain one.
+   plain one. ``--device cuda`` runs this part alone on the GPU (NCCL), ``--tiny-dim``/``--tiny-batch`` size it
+   (``make gpu-check`` runs it at a launch-bound and at a compute-bound size, tools/gpu_check.py).
 2. Training step (forward, backward, SGD step) of a 16-block TP MLP (ColwiseParallel/RowwiseParallel):
    (a) overlay ``DDP(device_mesh=mesh["dp"])``; (b) stock ``DDP(device_mesh=mesh["dp"])``; (c) FSDP2
    ``fully_shard(mesh=mesh["dp"])`` per block and at the root, over the same TP model (overlay active; FSDP2 is
@@ -100,12 +101,15 @@ def _tp_model(mesh, blocks: int, dim: int, hidden: int, cls: type[MLP] = MLP) ->
     return model
 
 
-def _timed(fn: Callable[[], object], iters: int) -> float:
-    """Seconds per call of ``fn``, after a barrier, averaged over ``iters`` calls."""
+def _timed(fn: Callable[[], object], iters: int, sync: Callable[[], object] = lambda: None) -> float:
+    """Seconds per call of ``fn``, after a barrier, averaged over ``iters`` calls; ``sync`` waits for the device
+    (``torch.cuda.synchronize``) before the clock starts and before it stops."""
     dist.barrier()
+    sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    sync()
     return (time.perf_counter() - start) / iters
 
 
@@ -155,7 +159,7 @@ class Tiny(nn.Module):
 
 
 def _launch_worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
-    """One process: Tiny without and with TP, alone and under DDP, eager and compiled."""
+    """One process: Tiny without and with TP, alone and under DDP, eager and compiled, on ``args.device``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -163,12 +167,20 @@ def _launch_worker(rank: int, init_file: str, args: argparse.Namespace, queue) -
 
     torch_overlay.activate()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    device = torch.device(args.device)
+    # On a GPU: NCCL for DDP's and DTensor's CUDA tensors, gloo for the CPU flags the warm-up agrees on.
+    backend = (
+        "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
+    )
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index or 0)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=1)
+    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+    sync = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
 
     def model(tp: bool, cls: type[nn.Module] = Tiny) -> nn.Module:
         torch.manual_seed(0)
-        m = cls()
+        m = cls(dim=args.tiny_dim).to(device)
         if tp:
             plan = {
                 f"blocks.{i}.{n}": s()
@@ -191,7 +203,7 @@ def _launch_worker(rank: int, init_file: str, args: argparse.Namespace, queue) -
         for key in ("plain", "plain_ddp", "tp", "tp_ddp"):
             m = model(key.startswith("tp"), _own_code(Tiny))
             configs[f"{key}_compiled"] = torch.compile(DDP(m, device_mesh=mesh["dp"]) if "ddp" in key else m)
-    x = torch.randn(8, 16)
+    x = torch.randn(args.tiny_batch, args.tiny_dim, device=device)
     runs = {}
     for key, m in configs.items():
         optim = torch.optim.SGD(m.parameters(), lr=1e-3)
@@ -209,14 +221,17 @@ def _launch_worker(rank: int, init_file: str, args: argparse.Namespace, queue) -
     for repeat in range(args.repeats):
         shift = repeat % len(keys)
         for key in keys[shift:] + keys[:shift]:
-            figures[key].append(_timed(runs[key], args.launch_iters))
+            figures[key].append(_timed(runs[key], args.launch_iters, sync))
     queue.put(figures)
     dist.destroy_process_group()
 
 
-def _print_launch(figures: dict[str, list[float]], repeats: int) -> None:
+def _print_launch(figures: dict[str, list[float]], args: argparse.Namespace) -> None:
     t = {key: statistics.median(v) * 1e3 for key, v in figures.items()}
-    print(f"\n1. launch-bound step, one process, Tiny (8 blocks, dim 16, batch 8), median of {repeats} repeats")
+    print(
+        f"\n1. launch-bound step, one process, {args.device}, Tiny (8 blocks, dim {args.tiny_dim}, batch "
+        f"{args.tiny_batch}), median of {args.repeats} repeats"
+    )
     print(f"{'':<28}{'ms/step':>9}{'DDP adds ms':>13}{'DDP / alone':>13}")
     for mode in ("", "_compiled"):
         if f"tp{mode}" not in t:
@@ -225,7 +240,7 @@ def _print_launch(figures: dict[str, list[float]], repeats: int) -> None:
             alone, ddp = t[f"{key}{mode}"], t[f"{key}_ddp{mode}"]
             print(f"{key + mode:<28}{alone:>9.3f}")
             print(f"{key + '_ddp' + mode:<28}{ddp:>9.3f}{ddp - alone:>13.3f}{ddp / alone:>13.3f}")
-        if not mode:
+        if not mode:  # stock's compiled DDP(TP) fails to compile (inductor: "unhashable type: non-nested SymInt")
             stock = t["tp_ddp_stock"]
             print(f"{'tp_ddp_stock':<28}{stock:>9.3f}{stock - t['tp']:>13.3f}{stock / t['tp']:>13.3f}")
     print("targets: TP + DDP / TP alone <= 1.05 eager, <= 1.2 compiled; DDP adds to TP what it adds to plain")
@@ -353,8 +368,11 @@ def _slowest_median(by_rank: dict[int, dict[str, list[float]]], key: str) -> flo
     return statistics.median(_slowest(by_rank, key))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="part 1's device; not cpu: part 1 alone (e.g. cuda)")
+    parser.add_argument("--tiny-dim", type=int, default=16, help="part 1's layer width (hidden: twice that)")
+    parser.add_argument("--tiny-batch", type=int, default=8, help="part 1's batch")
     parser.add_argument("--launch-iters", type=int, default=20)
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--dim", type=int, default=256)
@@ -364,7 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--foreach", action="store_true", help="SGD(foreach=True), the default on CUDA")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configurations")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     print(
         f"{WORLD_SIZE} ranks, 2x2 (dp x tp) mesh, CPU/gloo, 1 thread per rank, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs (shared machine: figures are noisy when others run)"
@@ -372,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     launch = run_ranks(_launch_worker, 1, args)
     if launch is None:
         return 1
-    _print_launch(launch[0], args.repeats)
+    _print_launch(launch[0], args)
+    if args.device != "cpu":
+        return 0
     gathered = run_ranks(_worker, WORLD_SIZE, args)
     if gathered is None:
         return 1
