@@ -49,6 +49,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
+import torch_overlay
+
 # dropout 0: the saved and the resumed model must compute the same numbers.
 ARGS = ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0, weight_tying=True)
 SEQ, BATCH = 16, 8
@@ -122,6 +124,12 @@ def main() -> int:
     parser.add_argument("--no-empty-init", dest="empty_init", action="store_false", help="build on the CPU, not meta")
     args = parser.parse_args()
 
+    # First, on every rank, in one line: on stock torch the TP weights would leave the model at the first forward.
+    try:
+        torch_overlay.require_active()
+    except torch_overlay.NotActiveError as e:
+        sys.exit(str(e))
+
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 4))
     strategy = ModelParallelStrategy(
         parallelize_fn=partial(parallelize, wrapper=args.wrapper),
@@ -162,6 +170,7 @@ def main() -> int:
     next_saved, next_resumed = eval_loss(fabric, model, *eval_batch), eval_loss(fabric, resumed, *eval_batch)
     say(f"one more step: loss {next_saved:.6f} (saved model), {next_resumed:.6f} (resumed)")
     fabric.barrier()  # every rank is done with the checkpoint before rank 0 removes a temporary one
+    torch.distributed.destroy_process_group()  # after the barrier: no rank exits while another still talks
 
     # The losses are means over all ranks and the values full tensors: every rank takes the same exit.
     if not same_values or state["step"] != args.steps:

@@ -44,6 +44,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import torch_overlay
+
 
 @dataclass
 class Args:
@@ -243,6 +245,14 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", help="where DCP writes (default: a temporary directory, removed after)")
     args = parser.parse_args()
 
+    # First, on every rank, in one line: on stock torch the TP weights would leave the model at the first forward.
+    try:
+        torch_overlay.require_active()
+    except torch_overlay.NotActiveError as e:
+        sys.exit(str(e))
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(f"{sys.argv[0]}: run it under torchrun: torchrun --nproc_per_node 4 {sys.argv[0]}")
+
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         torch.cuda.set_device(local_rank)
@@ -280,7 +290,7 @@ def main() -> int:
         say(f"resumed step {step}: loss {resumed_run[-1]:.6f}")
 
     dist.barrier()  # every rank is done with the checkpoint before rank 0 removes a temporary one
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # after the barrier: no rank exits while another still talks
     # The losses are means over all ranks: every rank takes the same exit.
     expected = first_run[args.save_at :]
     if state.step != args.save_at or len(resumed_run) != len(expected):

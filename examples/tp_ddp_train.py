@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import torch_overlay
+
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 8
 
 
@@ -110,6 +112,14 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", help="where DCP writes (default: a temporary directory, removed after)")
     args = parser.parse_args()
 
+    # First, on every rank, in one line: on stock torch the TP weights would leave the model at the first forward.
+    try:
+        torch_overlay.require_active()
+    except torch_overlay.NotActiveError as e:
+        sys.exit(str(e))
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(f"{sys.argv[0]}: run it under torchrun: torchrun --nproc_per_node 4 {sys.argv[0]}")
+
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         torch.cuda.set_device(local_rank)
@@ -154,7 +164,7 @@ def main() -> int:
     say(f"one more step: loss {next_saved:.6f} (saved model), {next_resumed:.6f} (resumed)")
 
     dist.barrier()  # every rank is done with the checkpoint before rank 0 removes a temporary one
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # after the barrier: no rank exits while another still talks
     # The losses are means over all ranks: every rank takes the same exit.
     if not torch.equal(resumed_loss, saved_loss):
         say(f"FAILED: the checkpoint did not restore the model: loss {resumed_loss:.6f}, not {saved_loss:.6f}")

@@ -289,6 +289,8 @@ def require_active() -> None:
             except EnvValueError as e:  # not activated either: say both
                 off, env_error = False, str(e).removeprefix("torch_overlay: ")
             reason = f"{ENV_VAR}={os.environ[ENV_VAR]} turns it off" if off else "it was not activated"
+            if off:
+                fix = f"Unset {ENV_VAR}; `python -m torch_overlay.activate --status` says what is served."
             if env_error is not None:
                 reason += f", and {env_error}"
         elif finder.verify() is not None:

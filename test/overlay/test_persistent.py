@@ -259,7 +259,7 @@ class EnvVariableTest(TestCase):
         self.assertEqual(self.python(script, "").stdout, "served\n")
         off = self.python(script, "0")
         self.assertIn("NotActiveError: torch_overlay: the overlay is not active in this process: TORCH_OVERLAY=0 "
-                      "turns it off. Activate it before building models", off.stderr)  # fmt: skip
+                      "turns it off. Unset TORCH_OVERLAY;", off.stderr)  # fmt: skip
         changed = torch_tree(self.root / "changed", (UNSHARD.path.removeprefix("torch/"),))
         tamper(Path(UNSHARD.upstream_file(changed)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
         stood_down = self.python(script, "", changed)
