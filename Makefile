@@ -121,12 +121,13 @@ apply-patches: install
 revert-patches: install
 	$(PY) -m torch_overlay revert-patches
 
-# One commit per patch on a branch of a PyTorch checkout, by your git identity, then `ghstack submit $(GHSTACK_ARGS)`.
-# GHSTACK_OFFLINE=1: no checkout, no network; prints the PRs it would push, from ghstack's fake GitHub.
+# One commit per patch of the upstream series on a branch of a PyTorch checkout, by your git identity, then
+# `ghstack submit $(GHSTACK_ARGS)`. GHSTACK_OFFLINE=1: no checkout: prints the PRs it would push, from ghstack's fake
+# GitHub, on the pristine files of BASE (from WHEEL=, this machine, or its wheel downloaded as `make sources` does).
 # NO_SUBMIT=1: build the branch only (then rebase it onto upstream main and `ghstack submit`; docs/patches.md, "ghstack").
 ghstack: install
 	$(PY) -m tools.ghstack_export $(if $(GHSTACK_OFFLINE),--offline,--pytorch-dir "$(PYTORCH_DIR)") \
-		$(if $(BASE),--base $(BASE)) $(if $(NO_SUBMIT),--no-submit) -- $(GHSTACK_ARGS)
+		$(if $(BASE),--base $(BASE)) $(if $(WHEEL),--wheel $(WHEEL)) $(if $(NO_SUBMIT),--no-submit) -- $(GHSTACK_ARGS)
 
 # Add a torch release as a base, in place: 3-way merge of the overlay onto its files (a wheel or a
 # site-packages-like directory), then manifest, torch requirement and patches/, checked on every base.
