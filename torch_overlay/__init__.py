@@ -20,7 +20,7 @@ import warnings
 from torch_overlay._env import ENV_VAR, EnvMode, EnvValueError, env_mode
 from torch_overlay._manifest import load_manifest
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 """The package's version (pyproject.toml reads it here); CHANGELOG.md says what each version changed."""
 
 __all__ = [

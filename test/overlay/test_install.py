@@ -94,6 +94,12 @@ class InstallTest(unittest.TestCase):
             self.assertEqual((result.returncode, result.stdout), (0, f"torch-overlay {torch_overlay.__version__}\n"))
         changelog = (REPO_ROOT / "CHANGELOG.md").read_text()
         self.assertIn(f"\n## {torch_overlay.__version__} ", changelog)
+        # The version moves with the code: the changelog's newest section is this version's, and it is a .dev
+        # version exactly while that section is unreleased (main after a release), a release's with its date.
+        newest = re.search(r"^## (.*)$", changelog, re.MULTILINE)[1]
+        self.assertEqual(newest.split()[0], torch_overlay.__version__, f"the newest section is {newest!r}")
+        self.assertEqual(".dev" in torch_overlay.__version__, newest.endswith("(unreleased)"), newest)
+        self.assertRegex(newest, r"^\S+ \((unreleased|\d{4}-\d{2}-\d{2})\)$")
 
     def test_the_licence_travels_with_the_package(self):
         """The payload is modified PyTorch source: BSD-3-Clause, PyTorch's notice kept, in the wheel too."""
