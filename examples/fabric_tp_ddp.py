@@ -28,7 +28,8 @@ fails sooner, "Tensor.item() cannot be called on meta tensors": its constructor 
 ranks, and Fabric materializes a meta model only after `parallelize_fn`). `replicate()` wraps in place and builds
 its DDP at the first forward: the model keeps its own keys, so the same load works, and init after wrapping too.
 
-On stock torch (no overlay) DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
+On stock torch (no overlay) the script stops at once, in one line, at `torch_overlay.require_active()`. Without
+that line, DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
 forward, and the second step raises on every rank: "RuntimeError: Expected to have finished reduction in the prior
 iteration before starting a new one" (a parameter that received no gradient).
 """

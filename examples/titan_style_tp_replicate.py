@@ -14,7 +14,8 @@ Then a fresh model, built the same way with other initial weights, resumes from 
 steps on the same batches: the script exits 1 unless the resumed run gives the first run's losses, step for step.
 NCCL when each local rank has a GPU, else gloo on CPU.
 
-On stock torch (no overlay) DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
+On stock torch (no overlay) the script stops at once, in one line, at `torch_overlay.require_active()`. Without
+that line, DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
 forward: training goes on without error but not as TP alone would (other losses from step 1), and the checkpoint
 cannot be written: `get_state_dict` raises `KeyError: 0` in `_get_optim_state_dict` on every rank, since the
 optimizer's parameters are no longer the model's.

@@ -5,7 +5,9 @@
 The ranks form a (dp, tp) mesh. Each block's attention and MLP linears are split over "tp"; the embedding, the
 norms and the head stay plain parameters; DDP replicates the model over "dp". After a few steps the model and
 optimizer go to a DCP checkpoint and are loaded into fresh ones; the script exits 1 unless the resumed model
-gives the saved model's loss and trains like it. NCCL when each local rank has a GPU, else gloo on CPU.
+gives the saved model's loss and trains like it. NCCL when each local rank has a GPU, else gloo on CPU. On stock
+torch (no overlay) it stops at once, in one line, at `torch_overlay.require_active()`; without that line it would
+train, then `get_state_dict` raises `KeyError: 3` on every rank.
 """
 
 import argparse
