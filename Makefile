@@ -67,7 +67,8 @@ lint: install
 
 # A script as a user runs it, on 4 CPU ranks, with the overlay for this command only: the test suite's boot
 # directory on PYTHONPATH runs the persistent install's start-up hook in every torchrun rank, and nothing in the venv
-# changes (TORCH_OVERLAY=0 make example: stock torch). --standalone takes a free port.
+# changes (TORCH_OVERLAY=0 make example: stock torch, where the example's require_active() stops every rank at once,
+# in one line). --standalone takes a free port.
 TORCHRUN_OVERLAY = PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4
 
