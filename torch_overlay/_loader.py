@@ -177,8 +177,9 @@ def activate(*, guard_on_first_use: bool = False, strict: bool = False) -> None:
         if finder is not None:
             # Installed by the start-up hook: an explicit call checks the base now, and says so if it failed.
             if not guard_on_first_use and finder.verify() is not None:
+                fix = f" {finder.disabled_fix}" if finder.disabled_fix else ""
                 raise BaseMismatchError(
-                    f"torch_overlay: the overlay stood down in this process: {finder.disabled_reason}"
+                    f"torch_overlay: the overlay stood down in this process: {finder.disabled_reason}.{fix}"
                 )
             return
         manifest = load_manifest()
