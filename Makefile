@@ -67,7 +67,8 @@ lint: install
 
 # A script as a user runs it, on 4 CPU ranks, with the overlay for this command only: the test suite's boot
 # directory on PYTHONPATH runs the persistent install's start-up hook in every torchrun rank, and nothing in the venv
-# changes (TORCH_OVERLAY=0 make example: stock torch). --standalone takes a free port.
+# changes (TORCH_OVERLAY=0 make example: stock torch, where the example's require_active() stops every rank at once,
+# in one line). --standalone takes a free port.
 TORCHRUN_OVERLAY = PYTHONPATH=$(CURDIR)/test/overlay/boot:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) \
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4
 
@@ -121,12 +122,13 @@ apply-patches: install
 revert-patches: install
 	$(PY) -m torch_overlay revert-patches
 
-# One commit per patch on a branch of a PyTorch checkout, by your git identity, then `ghstack submit $(GHSTACK_ARGS)`.
-# GHSTACK_OFFLINE=1: no checkout, no network; prints the PRs it would push, from ghstack's fake GitHub.
+# One commit per patch of the upstream series on a branch of a PyTorch checkout, by your git identity, then
+# `ghstack submit $(GHSTACK_ARGS)`. GHSTACK_OFFLINE=1: no checkout: prints the PRs it would push, from ghstack's fake
+# GitHub, on the pristine files of BASE (from WHEEL=, this machine, or its wheel downloaded as `make sources` does).
 # NO_SUBMIT=1: build the branch only (then rebase it onto upstream main and `ghstack submit`; docs/patches.md, "ghstack").
 ghstack: install
 	$(PY) -m tools.ghstack_export $(if $(GHSTACK_OFFLINE),--offline,--pytorch-dir "$(PYTORCH_DIR)") \
-		$(if $(BASE),--base $(BASE)) $(if $(NO_SUBMIT),--no-submit) -- $(GHSTACK_ARGS)
+		$(if $(BASE),--base $(BASE)) $(if $(WHEEL),--wheel $(WHEEL)) $(if $(NO_SUBMIT),--no-submit) -- $(GHSTACK_ARGS)
 
 # Add a torch release as a base, in place: 3-way merge of the overlay onto its files (a wheel or a
 # site-packages-like directory), then manifest, torch requirement and patches/, checked on every base.

@@ -30,7 +30,8 @@ fails sooner, "Tensor.item() cannot be called on meta tensors": its constructor 
 ranks, and Fabric materializes a meta model only after `parallelize_fn`). `replicate()` wraps in place and builds
 its DDP at the first forward: the model keeps its own keys, so the same load works, and init after wrapping too.
 
-On stock torch (no overlay) DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
+On stock torch (no overlay) the script stops at once, in one line, at `torch_overlay.require_active()`. Without
+that line, DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
 forward, and the second step raises on every rank: "RuntimeError: Expected to have finished reduction in the prior
 iteration before starting a new one" (a parameter that received no gradient).
 """
@@ -50,6 +51,8 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+import torch_overlay
 
 # dropout 0: the saved and the resumed model must compute the same numbers.
 ARGS = ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0, weight_tying=True)
@@ -125,6 +128,12 @@ def main() -> int:
     parser.add_argument("--no-empty-init", dest="empty_init", action="store_false", help="build on the CPU, not meta")
     args = parser.parse_args()
 
+    # First, on every rank, in one line: on stock torch the TP weights would leave the model at the first forward.
+    try:
+        torch_overlay.require_active()
+    except torch_overlay.NotActiveError as e:
+        sys.exit(str(e))
+
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 4))
     if args.wrapper == "none" and devices != args.tp:
         parser.error(f"--wrapper none trains TP alone: run as many processes as --tp ({args.tp})")
@@ -167,6 +176,7 @@ def main() -> int:
     next_saved, next_resumed = eval_loss(fabric, model, *eval_batch), eval_loss(fabric, resumed, *eval_batch)
     say(f"one more step: loss {next_saved:.6f} (saved model), {next_resumed:.6f} (resumed)")
     fabric.barrier()  # every rank is done with the checkpoint before rank 0 removes a temporary one
+    torch.distributed.destroy_process_group()  # after the barrier: no rank exits while another still talks
 
     # The losses are means over all ranks and the values full tensors: every rank takes the same exit.
     if not same_values or state["step"] != args.steps:

@@ -15,7 +15,8 @@ steps on the same batches: the script exits 1 unless the resumed run gives the f
 NCCL when each local rank has a GPU, else gloo on CPU. `--wrapper none` leaves `replicate()` out: TP alone (as many
 ranks as --tp), what TP + `replicate()` on one dp rank must train like.
 
-On stock torch (no overlay) DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
+On stock torch (no overlay) the script stops at once, in one line, at `torch_overlay.require_active()`. Without
+that line, DDP inside `replicate()` swaps the TP parameters for plain local tensors at the first
 forward: training goes on without error but not as TP alone would (other losses from step 1), and the checkpoint
 cannot be written: `get_state_dict` raises `KeyError: 0` in `_get_optim_state_dict` on every rank, since the
 optimizer's parameters are no longer the model's.
@@ -44,6 +45,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+import torch_overlay
 
 
 @dataclass
@@ -246,6 +249,14 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", help="where DCP writes (default: a temporary directory, removed after)")
     parser.add_argument("--wrapper", choices=("replicate", "none"), default="replicate", help="none: TP alone (dp 1)")
     args = parser.parse_args()
+
+    # First, on every rank, in one line: on stock torch the TP weights would leave the model at the first forward.
+    try:
+        torch_overlay.require_active()
+    except torch_overlay.NotActiveError as e:
+        sys.exit(str(e))
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(f"{sys.argv[0]}: run it under torchrun: torchrun --nproc_per_node 4 {sys.argv[0]}")
     if args.wrapper == "none" and int(os.environ["WORLD_SIZE"]) != args.tp:
         parser.error(f"--wrapper none trains TP alone: run as many ranks as --tp ({args.tp})")
 
@@ -287,7 +298,7 @@ def main() -> int:
         say(f"resumed step {step}: loss {resumed_run[-1]:.6f}")
 
     dist.barrier()  # every rank is done with the checkpoint before rank 0 removes a temporary one
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # after the barrier: no rank exits while another still talks
     # The losses are means over all ranks: every rank takes the same exit.
     expected = first_run[args.save_at :]
     if state.step != args.save_at or len(resumed_run) != len(expected):

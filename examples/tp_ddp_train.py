@@ -6,7 +6,9 @@ The ranks form a (dp, tp) mesh. Each block's attention and MLP linears are split
 norms and the head stay plain parameters; DDP replicates the model over "dp". After a few steps the model and
 optimizer go to a DCP checkpoint and are loaded into fresh ones; the script exits 1 unless the resumed model
 gives the saved model's loss and trains like it. NCCL when each local rank has a GPU, else gloo on CPU.
-`--wrapper none` trains TP alone (no DDP; as many ranks as --tp): what TP + DDP on one dp rank must train like.
+`--wrapper none` trains TP alone (no DDP; as many ranks as --tp): what TP + DDP on one dp rank must train like. On
+stock torch (no overlay) it stops at once, in one line, at `torch_overlay.require_active()`; without that line it
+would train, then `get_state_dict` raises `KeyError: 3` on every rank.
 """
 
 import argparse
@@ -23,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torch_overlay
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 8
 
@@ -113,6 +117,14 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", help="where DCP writes (default: a temporary directory, removed after)")
     parser.add_argument("--wrapper", choices=("ddp", "none"), default="ddp", help="none: TP alone (dp must be 1)")
     args = parser.parse_args()
+
+    # First, on every rank, in one line: on stock torch the TP weights would leave the model at the first forward.
+    try:
+        torch_overlay.require_active()
+    except torch_overlay.NotActiveError as e:
+        sys.exit(str(e))
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(f"{sys.argv[0]}: run it under torchrun: torchrun --nproc_per_node 4 {sys.argv[0]}")
     if args.wrapper == "none" and int(os.environ["WORLD_SIZE"]) != args.tp:
         parser.error(f"--wrapper none trains TP alone: run as many ranks as --tp ({args.tp})")
 
@@ -161,7 +173,7 @@ def main() -> int:
     say(f"one more step: loss {next_saved:.6f} (saved model), {next_resumed:.6f} (resumed)")
 
     dist.barrier()  # every rank is done with the checkpoint before rank 0 removes a temporary one
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # after the barrier: no rank exits while another still talks
     # The losses are means over all ranks: every rank takes the same exit.
     if not torch.equal(resumed_loss, saved_loss):
         say(f"FAILED: the checkpoint did not restore the model: loss {resumed_loss:.6f}, not {saved_loss:.6f}")

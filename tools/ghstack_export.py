@@ -1,18 +1,20 @@
 """``make ghstack PYTORCH_DIR=...``: the series as a ghstack stack, one commit (and one PR) per patch.
 
-A branch is created from the PyTorch checkout's HEAD, every patch of the base's series is committed onto it
-with ``git am`` (so each commit carries the patch's title and message), authored and committed by the user
-(``git config user.name``/``user.email`` there; without them it stops before changing anything), then
-``ghstack submit`` runs there with the arguments given after ``--``. The base is the installed torch's
-(``--base`` overrides it): the newest base's series is the upstream one; an older base's also carries the
-backports it needs.
+A branch is created from the PyTorch checkout's HEAD, every patch of the upstream series (``patches/series``:
+never the backports that older bases' series add, which upstream has already) is committed onto it with ``git
+am`` (so each commit carries the patch's title and message), authored and committed by the user (``git config
+user.name``/``user.email`` there; without them it stops before changing anything), then ``ghstack submit`` runs
+there with the arguments given after ``--``. ``--base`` names the release the checkout is at (default: the
+installed torch's base), for the message when a patch does not apply.
 
-``--offline`` needs no checkout and no network: the same export runs in a scratch clone holding the base's
-pristine files (and the old side of the upstream test edits), ghstack submits it to its own in-process fake
-GitHub (``ghstack.github_fake``), and the stack it would push is printed, one line per PR.
+``--offline`` needs no checkout: the same export runs in a scratch clone holding the base's pristine files (and
+the old side of the upstream test edits), ghstack submits it to its own in-process fake GitHub
+(``ghstack.github_fake``), and the stack it would push is printed, one line per PR. The pristine files come from
+the sources ``tools.pristine`` knows, ``--wheel`` first; where none holds them, the base's wheel is downloaded as
+``make sources`` does (pip, pinned, no dependencies), so only that step needs the network.
 
     python -m tools.ghstack_export --pytorch-dir ~/pytorch [--base X.Y.Z] [--branch torch-overlay] [-- ARGS]
-    python -m tools.ghstack_export --offline [--base X.Y.Z]
+    python -m tools.ghstack_export --offline [--base X.Y.Z] [--wheel WHEEL_OR_DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 from pathlib import Path
 
 from tools.patches import PatchError, edits_by_file, upstream_edits
-from tools.pristine import BaseSourceError, Pristine, pristine
+from tools.pristine import BaseSourceError, Pristine, fetch, pristine
 from tools.project import Project, default_project
 from tools.series import SeriesError, load_series
 from torch_overlay._git import git_env
@@ -76,16 +78,18 @@ def installed_base() -> str:
     return (matched or load_manifest().payload_base).version
 
 
-def series_patches(patches_dir: Path, base_version: str) -> list[Path]:
+def series_patches(patches_dir: Path) -> list[Path]:
+    """The upstream series: what goes to PyTorch (an older base's own series adds backports upstream has)."""
     try:
-        return read_series(patches_dir, base_version)
+        return read_series(patches_dir)
     except SeriesMissingError as e:
         raise ExportError(str(e)) from e
 
 
 def export_stack(pytorch_dir: Path, patches_dir: Path, base_version: str, branch: str = DEFAULT_BRANCH) -> list[str]:
-    """Commit the base's patches onto a new ``branch`` of ``pytorch_dir``; returns the commits, oldest first."""
-    patches = series_patches(patches_dir, base_version)
+    """Commit the upstream series onto a new ``branch`` of ``pytorch_dir``, a checkout of torch ``base_version``
+    (named when a patch does not apply); returns the commits, oldest first."""
+    patches = series_patches(patches_dir)
     if _git(pytorch_dir, "rev-parse", "--git-dir").returncode != 0:
         raise ExportError(f"{pytorch_dir}: not a git checkout of PyTorch (PYTORCH_DIR=...)")
     user_identity(pytorch_dir)
@@ -207,8 +211,19 @@ async def _submit_offline(files: dict[str, bytes], patches_dir: Path, base_versi
     return sorted({a for a in authors if a}), [(pr["number"], pr["title"]) for pr in prs]
 
 
+def offline_sources(project: Project, base: Base, wheels: list[Path]) -> Pristine:
+    """The pristine files for an offline export: ``wheels`` and every source on this machine, else the base's
+    wheel downloaded as ``make sources`` does (only this base's: one machine may hold only its own venv)."""
+    found = pristine(project, wheels)
+    if found.missing(base):
+        print(f"make ghstack: torch {base.version}'s pristine files are not on this machine: downloading its wheel")
+        fetch(project, [base])
+        found = pristine(project, wheels)
+    return found
+
+
 def offline_stack(project: Project, base: Base, found: Pristine, identity: tuple[str, str]) -> str:
-    """What ``ghstack submit`` would push for the base's series, from ghstack's fake GitHub (no network)."""
+    """What ``ghstack submit`` would push, the upstream series on the base's files, from ghstack's fake GitHub."""
     files = offline_base(project, base, found)
     log = io.StringIO()
     try:
@@ -216,35 +231,41 @@ def offline_stack(project: Project, base: Base, found: Pristine, identity: tuple
             authors, prs = asyncio.run(_submit_offline(files, project.patches_dir, base.version, identity))
     except Exception as e:
         raise ExportError(f"the offline submission failed: {e}\n{log.getvalue()[-3000:]}") from e
-    lines = [f"torch {base.version}'s series as ghstack would push it ({len(prs)} PRs, by {', '.join(authors)}):"]
+    lines = [f"the upstream series on torch {base.version}, as ghstack would push it ({len(prs)} PRs, by "
+             f"{', '.join(authors)}):"]  # fmt: skip
     return "\n".join(lines + [f"#{number} {title}" for number, title in prs])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, project: Project | None = None) -> int:
+    project = project or default_project()
     parser = argparse.ArgumentParser(prog="python -m tools.ghstack_export", description=__doc__.splitlines()[0])
     parser.add_argument("--pytorch-dir", default="", help="a git checkout of pytorch/pytorch")
     parser.add_argument("--offline", action="store_true", help="show the stack against ghstack's fake GitHub")
     parser.add_argument("--branch", default=DEFAULT_BRANCH, help=f"branch to create (default {DEFAULT_BRANCH})")
-    parser.add_argument("--base", default=None, help="whose series (default: the installed torch's base)")
+    parser.add_argument("--base", default=None, help="the release the checkout is at (default: the installed base)")
+    parser.add_argument(
+        "--wheel", type=Path, action="append", default=[], help="--offline: a source of the base's files (make: WHEEL=)"
+    )
     parser.add_argument("--no-submit", action="store_true", help="build the branch only")
     parser.add_argument("ghstack_args", nargs="*", help="passed to `ghstack submit` (after --)")
     args = parser.parse_args(argv)
+    manifest = project.manifest()
     try:
         base = args.base or installed_base()
-        if load_manifest().base(base) is None:
-            raise ExportError(f"--base {base} is not a base ({', '.join(load_manifest().versions)})")
+        if manifest.base(base) is None:
+            raise ExportError(f"--base {base} is not a base ({', '.join(manifest.versions)})")
         if args.offline:
-            project = default_project()
             identity = user_identity(project.root)
-            print(offline_stack(project, load_manifest().base(base), pristine(project), identity))
+            found = offline_sources(project, manifest.base(base), args.wheel)
+            print(offline_stack(project, manifest.base(base), found, identity))
             return 0
         if not args.pytorch_dir:  # NOTE: never "" (Path("") is this repository)
             raise ExportError("no PyTorch checkout: PYTORCH_DIR=~/pytorch (or GHSTACK_OFFLINE=1 to try it offline)")
-        commits = export_stack(Path(args.pytorch_dir), default_project().patches_dir, base, args.branch)
+        commits = export_stack(Path(args.pytorch_dir), project.patches_dir, base, args.branch)
     except (ExportError, BaseSourceError, SeriesError, PatchError) as e:
         print(f"make ghstack: {e}", file=sys.stderr)
         return 1
-    print(f"make ghstack: {len(commits)} commits (torch {base}'s series) on branch {args.branch} of {args.pytorch_dir}")
+    print(f"make ghstack: {len(commits)} commits (the upstream series) on branch {args.branch} of {args.pytorch_dir}")
     if args.no_submit:
         return 0
     return subprocess.run(

@@ -3,8 +3,8 @@
 ``activate()`` puts our versions of the upstream modules that ``manifest.json`` lists in place in this process
 (before or after torch was imported), ``deactivate()`` restores the stock objects exactly, ``status()`` says
 what is active, and ``require_active()`` raises unless the change serves this process. For every process of an
-environment, use ``python -m torch_overlay.activate`` instead; ``TORCH_OVERLAY`` (``0``, ``off``, ``false``, ``no``:
-off; ``require``: strict) rules both. The
+environment, use ``python -m torch_overlay.activate`` instead; ``TORCH_OVERLAY`` (unset or ``1``, ``on``,
+``true``, ``yes``: the default; ``0``, ``off``, ``false``, ``no``: off; ``require``: strict) rules both. The
 modules served and the torch releases (bases) they serve, read from the manifest when this package is
 imported, close this docstring.
 
@@ -20,7 +20,7 @@ import warnings
 from torch_overlay._env import ENV_VAR, EnvMode, EnvValueError, env_mode
 from torch_overlay._manifest import load_manifest
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 """The package's version (pyproject.toml reads it here); CHANGELOG.md says what each version changed."""
 
 __all__ = [
@@ -29,6 +29,8 @@ __all__ = [
     "BaseMismatchError",
     "deactivate",
     "EnvValueError",
+    "ForkError",
+    "GraftError",
     "LiveInstancesError",
     "NotActiveError",
     "NotServedError",
@@ -46,8 +48,8 @@ def activate() -> None:
     in the manifest, and :class:`SubclassedError` when a class the overlay serves (``DistributedDataParallel``)
     was already subclassed outside torch. ``TORCH_OVERLAY=0`` (or ``off``, ``false``, ``no``) in the environment
     wins: it leaves stock torch in place (with a warning), so one variable is enough to rule the overlay out while
-    debugging. Any value of it but those, ``require`` and none raises :class:`EnvValueError` (a ``ValueError``),
-    naming the values it takes.
+    debugging. Any value of it but those, ``1``, ``on``, ``true``, ``yes``, ``require`` and none raises
+    :class:`EnvValueError` (a ``ValueError``), naming the values it takes.
     """
     if env_mode() is EnvMode.OFF:
         warnings.warn(_off_warning(), RuntimeWarning, stacklevel=2)
@@ -116,6 +118,14 @@ def __getattr__(name: str) -> object:
         from torch_overlay import _loader
 
         return getattr(_loader, name)
+    if name == "ForkError":
+        from torch_overlay._fork import ForkError
+
+        return ForkError
+    if name == "GraftError":
+        from torch_overlay._graft import GraftError
+
+        return GraftError
     if name == "NotServedError":
         from torch_overlay._finder import NotServedError
 

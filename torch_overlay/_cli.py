@@ -53,13 +53,13 @@ def _status() -> int:
 
 def _check() -> int:
     report = status()
-    if report.fork is not None:
+    if report.ok and report.fork is not None:  # the patched files are torch's own: nothing to activate
+        fork = report.fork
         print(
-            f"torch-overlay: check failed: fork mode is applied ({len(report.fork.patches)} patches in place), so "
-            "the installed files are the patched ones, not the base. Run `torch-overlay revert-patches` first.",
-            file=sys.stderr,
+            f"torch-overlay: check passed: fork mode serves torch {fork.base_version} ({len(fork.patches)} patches "
+            f"applied in place, every file as fork mode wrote it)"
         )
-        return 1
+        return 0
     if report.ok:
         print(f"torch-overlay: check passed: {report.base.summary()}")
         if report.base.warning:
@@ -67,6 +67,8 @@ def _check() -> int:
         return 0
     for problem in report.problems():
         print(f"torch-overlay: check failed: {problem}", file=sys.stderr)
+    if report.fix() is not None:
+        print(f"torch-overlay: fix: {report.fix()}", file=sys.stderr)
     return 1
 
 
@@ -97,7 +99,7 @@ ACTIONS = {"apply": _apply, "revert": _revert, "status": _status, "check": _chec
 
 
 def run(action: str, patches_dir: Path | None = None) -> int:
-    """Run ``action``; ``patches_dir`` (apply-patches only): None = the checkout's ``patches/``."""
+    """Run ``action``; ``patches_dir`` (apply-patches only): None = the series this package carries."""
     try:
         code = _apply_patches(patches_dir) if action == "apply-patches" else ACTIONS[action]()
         sys.stdout.flush()  # a closed stdout shows here, not at exit
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="verify the base and the hook without changing anything")
     command = sub.add_parser("apply-patches", help="fork mode: apply the patch series in place to the installed torch")
     command.add_argument(
-        "--patches", type=Path, default=None, help="a patches/ directory (default: the checkout's; needed for a wheel)"
+        "--patches", type=Path, default=None, help="a patches/ directory (default: the series this package carries)"
     )
     sub.add_parser("revert-patches", help="restore the files fork mode replaced, byte for byte")
     args = parser.parse_args(argv)

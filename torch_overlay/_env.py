@@ -8,6 +8,8 @@ import enum
 import os
 
 ENV_VAR = "TORCH_OVERLAY"
+ON_VALUES = ("1", "on", "true", "yes")
+"""``TORCH_OVERLAY`` values (any case) that mean the default, as unset: the spellings of "on" users try first."""
 OFF_VALUES = ("0", "off", "false", "no")
 """``TORCH_OVERLAY`` values (any case) that turn the overlay off for a process and the children that inherit it."""
 REQUIRE_VALUE = "require"
@@ -18,7 +20,8 @@ class EnvMode(enum.Enum):
     """What ``TORCH_OVERLAY`` asks of this process."""
 
     DEFAULT = "default"
-    """Unset or empty: the overlay serves where activated; a torch it cannot serve runs stock, with a warning."""
+    """Unset, empty or one of :data:`ON_VALUES`: the overlay serves where activated; a torch it cannot serve runs
+    stock, with a warning."""
     OFF = "off"
     REQUIRE = "require"
 
@@ -31,13 +34,14 @@ def env_mode() -> EnvMode:
     """The mode ``TORCH_OVERLAY`` sets; raises :class:`EnvValueError`, naming the values it takes, for any other."""
     raw = os.environ.get(ENV_VAR)
     value = (raw or "").strip().lower()
-    if not value:
+    if not value or value in ON_VALUES:
         return EnvMode.DEFAULT
     if value in OFF_VALUES:
         return EnvMode.OFF
     if value == REQUIRE_VALUE:
         return EnvMode.REQUIRE
     raise EnvValueError(
-        f"torch_overlay: {ENV_VAR}={raw!r} is not a value it takes: leave it unset (the overlay serves where it "
-        f"is activated), {', '.join(OFF_VALUES)} (stock torch), or {REQUIRE_VALUE} (raise where it cannot serve)"
+        f"torch_overlay: {ENV_VAR}={raw!r} is not a value it takes: unset or {', '.join(ON_VALUES)} (the overlay "
+        f"serves where it is activated), {', '.join(OFF_VALUES)} (stock torch), or {REQUIRE_VALUE} (raise where it "
+        "cannot serve)"
     )

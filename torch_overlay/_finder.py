@@ -33,8 +33,8 @@ class OverlayFinder:
     Our file is the one for the installed base (:meth:`~torch_overlay._manifest.Manifest.payload_file`), so the
     finder serves only once the base is known: ``base``, checked by the caller, or with ``guard_on_first_use``
     (the start-up hook, which must not touch torch) the base found at the first import of a manifest module; on
-    a mismatch the finder stands down with one warning, and the process runs stock torch, or, ``strict``, every
-    import of a replaced module raises :class:`NotServedError`.
+    a mismatch the finder stands down with one warning naming the cause and the fix, and the process runs stock
+    torch, or, ``strict``, every import of a replaced module raises :class:`NotServedError`.
     """
 
     def __init__(self, guard_on_first_use: bool, base: Base | None = None, strict: bool = False) -> None:
@@ -50,16 +50,22 @@ class OverlayFinder:
         self.disabled_reason: str | None = None
         self.fork_mode = False
         """Stood down because fork mode serves the change from torch's own files (not an error, even if strict)."""
+        self.disabled_fix: str | None = None
+        """The command that gets the process served again, where the finder stood down on a torch it cannot serve."""
         self.base_warning: str | None = None
         self._refusal: str | None = None
+        self._exit = False
 
     @classmethod
     def refusing(cls, message: str) -> OverlayFinder:
-        """A finder that serves nothing: the first import of a replaced module raises :class:`NotServedError`
-        with ``message`` (an invalid ``TORCH_OVERLAY``, which must not break start-up)."""
+        """A finder that serves nothing: the first import of a replaced module ends the process with ``message``,
+        one line on stderr and exit status 1 (an invalid ``TORCH_OVERLAY``, which must not break start-up, nor
+        turn ``import torch`` into a traceback through torch's own modules)."""
         finder = cls(guard_on_first_use=True, strict=True)
         finder._guard_pending = False
         finder.disabled_reason = finder._refusal = message
+        finder.disabled_fix = f"Set {ENV_VAR} to one of those values, or unset it."
+        finder._exit = True
         return finder
 
     @property
@@ -86,7 +92,8 @@ class OverlayFinder:
             with self._guard_lock:
                 if self._guard_pending:
                     try:
-                        self.disabled_reason, self.base_warning, base, self.fork_mode = first_use_check()
+                        check = first_use_check()
+                        self.disabled_reason, self.disabled_fix, self.base_warning, base, self.fork_mode = check
                         if base is not None:
                             self._files = self._manifest.overlay_files(base)
                     except Exception as e:  # the user's import must go on, on stock torch (unless strict)
@@ -97,15 +104,15 @@ class OverlayFinder:
                     if self.disabled_reason is not None and self.strict and not self.fork_mode:
                         self._refusal = (
                             f"torch_overlay: {ENV_VAR}=require is set, and the overlay cannot serve this process: "
-                            f"{self.disabled_reason}. Nothing was served. Fix what "
-                            "`python -m torch_overlay.activate --status` names, or unset "
-                            f"{ENV_VAR} to run stock torch (with a warning)."
+                            f"{self.disabled_reason}. Nothing was served. "
+                            f"{self.disabled_fix or 'Fix what `python -m torch_overlay.activate --status` names.'} "
+                            f"Or unset {ENV_VAR} to run stock torch (with a warning)."
                         )
                     elif self.disabled_reason is not None:
                         warnings.warn(
                             "torch_overlay: the overlay is NOT active in this process, the installed torch is not "
                             f"one of its bases: {self.disabled_reason}. "
-                            "Run `python -m torch_overlay.activate --status`.",
+                            f"{self.disabled_fix or 'Run `python -m torch_overlay.activate --status`.'}",
                             RuntimeWarning,
                             stacklevel=3,
                         )
@@ -121,24 +128,28 @@ class OverlayFinder:
         if fullname not in self._names:
             return None
         if self.verify() is not None:
+            if self._refusal is not None and self._exit:
+                # NOTE: one line and exit status 1, as Python itself ends on an invalid PYTHON* variable: a
+                # NotServedError would be a traceback through torch/__init__.py for a typo in the environment.
+                raise SystemExit(self._refusal)
             if self._refusal is not None:
                 raise NotServedError(self._refusal)
             return None
         return overlay_spec(fullname, self._files[fullname], onto_stock=fullname in self._keep_classes)
 
 
-def first_use_check() -> tuple[str | None, str | None, Base | None, bool]:
-    """The base check of a finder installed by the start-up hook: (why it must stand down, a warning, the base
-    it serves, whether fork mode is why)."""
+def first_use_check() -> tuple[str | None, str | None, str | None, Base | None, bool]:
+    """The base check of a finder installed by the start-up hook: (why it must stand down, the command that
+    fixes it, a warning, the base it serves, whether fork mode is why)."""
     from torch_overlay import _fork
     from torch_overlay._guard import check_base
 
     check = check_base()
     if check.ok:
-        return None, check.warning, check.matched, False
+        return None, None, check.warning, check.matched, False
     if _fork.active_state(check.torch_dir):
-        return "fork mode is active (the series is applied in place)", None, None, True
-    return "; ".join(check.problems()), None, None, False
+        return "fork mode is active (the series is applied in place)", None, None, None, True
+    return "; ".join(check.problems()), check.fix(), None, None, False
 
 
 def overlay_spec(name: str, overlay_file: str, onto_stock: bool = False) -> ModuleSpec | None:

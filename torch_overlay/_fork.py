@@ -11,6 +11,10 @@ either its ``before_sha256`` or its ``after_sha256``: ``apply()`` of the same se
 ``revert()`` restores only the files at ``after_sha256``, and the state directory goes last (renamed away in
 one step), so a revert killed before that is completed by running it again. A new module (one no release
 ships) is absent before: its ``before_sha256`` is None; apply creates it and revert removes it.
+
+``pip uninstall torch-overlay`` cannot revert fork mode (it runs none of our code): apply also leaves a start-up
+line beside torch, ``torch_overlay_fork.pth``, silent while torch-overlay is installed, that says in every process
+what to run once it is gone (revert removes it).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from pathlib import Path
 from torch_overlay._atomic import write_atomically
 from torch_overlay._guard import check_base, find_torch_dir, reinstall_hint
 from torch_overlay._manifest import PACKAGE_DIR, load_manifest, public_version, sha256_hex
-from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
+from torch_overlay._patchset import SERIES_FILE, PatchApplyError, SeriesMissingError, apply_series, read_series
 from torch_overlay._persistent import installed_hook
 
 STATE_DIR_NAME = "torch-overlay-fork"
-DEFAULT_PATCHES_DIR = Path(PACKAGE_DIR).parent / "patches"
-"""A checkout's ``patches/`` (editable install); a wheel install has none: pass ``--patches DIR``."""
+DEFAULT_PATCHES_DIR = Path(PACKAGE_DIR) / "patches"
+"""The series this package carries: in a checkout, a link to its ``patches/``; in an installed wheel, a copy of
+the generated series (package data: every base's index and patch files, no ``series.toml`` or snapshots)."""
 
 
 class ForkError(RuntimeError):
@@ -60,8 +65,53 @@ class ForkState:
     """The installed torch's public version: the base's, or an unlisted release with the same files."""
 
 
+NOTICE_FILE_NAME = "torch_overlay_fork.pth"
+
+
 def state_dir(torch_dir: Path) -> Path:
     return torch_dir.parent / STATE_DIR_NAME
+
+
+def notice_path(torch_dir: Path) -> Path:
+    return torch_dir.parent / NOTICE_FILE_NAME
+
+
+# NOTE: `pip uninstall torch-overlay` runs none of our code, so it cannot revert fork mode: this start-up line,
+# beside torch (site-packages), says so in every process while torch stays patched and torch-overlay is gone
+# (silent while torch-overlay is installed; once the state directory is gone it removes itself).
+_NOTICE_CODE = """\
+if not getattr(sys, "_torch_overlay_fork_checked", False):
+    sys._torch_overlay_fork_checked = True
+    if not os.path.isdir(STATE):
+        try:
+            os.remove(NOTICE)
+        except OSError:
+            pass
+    else:
+        import importlib.util
+        if importlib.util.find_spec("torch_overlay") is None:
+            sys.stderr.write(MESSAGE + "\\n")
+"""
+
+
+def notice_text(torch_dir: Path, base_version: str) -> str:
+    """The start-up line that fork mode leaves beside torch (see ``_NOTICE_CODE``)."""
+    message = (
+        f"torch_overlay: torch-overlay was uninstalled, but its fork mode still patches torch {base_version} in "
+        f"{torch_dir}: reinstall torch-overlay and run `torch-overlay revert-patches`, or run "
+        f"`pip install --force-reinstall --no-deps torch=={base_version}` and delete {state_dir(torch_dir)}"
+    )
+    code = f"STATE = {str(state_dir(torch_dir))!r}\nNOTICE = {str(notice_path(torch_dir))!r}\n"
+    code += f"MESSAGE = {message!r}\n" + _NOTICE_CODE
+    return (
+        "# torch-overlay fork mode: torch here is patched; `torch-overlay revert-patches` removes this file.\n"
+        f"import os, sys; exec({code!r})\n"
+    )
+
+
+def _write_notice(torch_dir: Path, state: ForkState) -> None:
+    # NOTE: readable by all, as the persistent hook (site skips a .pth it cannot read).
+    write_atomically(notice_path(torch_dir), notice_text(torch_dir, state.base_version).encode("utf-8"), mode=0o644)
 
 
 def originals_dir(torch_dir: Path) -> Path:
@@ -91,16 +141,24 @@ def read_state(torch_dir: Path) -> ForkState | None:
 def series(patches_dir: Path | None, base_version: str) -> list[Path]:
     """The patch files for a base, in order (:func:`~torch_overlay._patchset.read_series`).
 
-    ``patches_dir``: None is the checkout's ``patches/``.
+    ``patches_dir``: None is the series this package carries (:data:`DEFAULT_PATCHES_DIR`); a directory the
+    user names (``--patches``) is checked to be one, with a series index, and the message says so if not.
     """
     if patches_dir is None:
         patches_dir = DEFAULT_PATCHES_DIR
         if not patches_dir.is_dir():
             raise ForkError(
-                f"torch_overlay: no patch series at {patches_dir}: this torch-overlay is not installed from a "
-                "checkout (a wheel carries no patches/). Nothing was changed. Pass a checkout's patches/ "
-                "directory: `torch-overlay apply-patches --patches DIR`."
+                f"torch_overlay: no patch series at {patches_dir}: this torch-overlay was installed without it. "
+                "Nothing was changed. Reinstall it from a checkout (`pip install .`), or pass a checkout's "
+                "patches/ directory: `torch-overlay apply-patches --patches DIR`."
             )
+    elif not patches_dir.is_dir() or not (patches_dir / SERIES_FILE).is_file():
+        what = "no such directory" if not patches_dir.is_dir() else f"a directory without a `{SERIES_FILE}` index"
+        raise ForkError(
+            f"torch_overlay: --patches {patches_dir}: {what}, not a patch series. Nothing was changed. Pass a "
+            "torch-overlay checkout's patches/ directory, or leave --patches out: this package carries the "
+            f"series ({DEFAULT_PATCHES_DIR})."
+        )
     try:
         return read_series(patches_dir, base_version)
     except SeriesMissingError as e:
@@ -180,7 +238,7 @@ def _refuse_unwritable(dirs: list[Path]) -> None:
 def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tuple[ForkState, bool]:
     """Apply the series in place; returns (state, whether anything changed). All or nothing.
 
-    ``patches_dir``: a ``patches/`` directory; None = the checkout's (:data:`DEFAULT_PATCHES_DIR`).
+    ``patches_dir``: a ``patches/`` directory; None = the series this package carries (:data:`DEFAULT_PATCHES_DIR`).
     """
     torch_dir = torch_dir or find_torch_dir()
     manifest = load_manifest()
@@ -192,7 +250,10 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
                 f"torch_overlay: fork mode is already applied to {torch_dir} with another version of the series. "
                 "Nothing was changed. Run `torch-overlay revert-patches` first, then apply again."
             )
-        return state, _complete(torch_dir, state, patch_files)
+        changed = _complete(torch_dir, state, patch_files)
+        if not notice_path(torch_dir).is_file():
+            _write_notice(torch_dir, state)
+        return state, changed
     hook = installed_hook()
     if hook is not None:
         raise ForkError(
@@ -230,6 +291,7 @@ def apply(patches_dir: Path | None = None, torch_dir: Path | None = None) -> tup
     except BaseException:
         shutil.rmtree(state_dir(torch_dir), ignore_errors=True)
         raise
+    _write_notice(torch_dir, state)
     return state, True
 
 
@@ -344,6 +406,7 @@ def revert(torch_dir: Path | None = None) -> ForkState | None:
     originals = _saved_originals(torch_dir, state, patched_files)
     _replace_all(torch_dir, originals, current, redo="torch-overlay revert-patches")
     _remove_state(torch_dir)
+    notice_path(torch_dir).unlink(missing_ok=True)
     return state
 
 
@@ -353,6 +416,31 @@ def active_state(torch_dir: Path | None = None) -> ForkState | None:
         return read_state(torch_dir or find_torch_dir())
     except Exception:
         return None
+
+
+def fork_problems(state: ForkState, torch_dir: Path) -> list[str]:
+    """What is wrong with an applied fork: each file fork mode replaced that is not at its patched bytes, with the
+    command that fixes it; none on a healthy fork. Reads only, never raises."""
+    lines = []
+    for f in state.files:
+        target = torch_dir.parent / f.path
+        try:
+            found = sha256_hex(target.read_bytes()) if target.is_file() else None
+        except OSError as e:
+            found = f"unreadable ({e.strerror})"
+        if found == f.after_sha256:
+            continue
+        if found == f.before_sha256:
+            lines.append(
+                f"{target} is the original, not the patched file (fork mode was interrupted): run "
+                "`torch-overlay apply-patches` to finish, or `torch-overlay revert-patches`"
+            )
+        else:
+            lines.append(
+                f"{target} changed since fork mode was applied (sha256 {found or 'absent'}, patched "
+                f"{f.after_sha256}). {_reinstall_hint(torch_dir, state.base_version)}"
+            )
+    return lines
 
 
 def refusal(action: str, torch_dir: Path | None = None) -> str | None:

@@ -129,10 +129,10 @@ def find_torch_dir() -> Path:
         return Path(os.path.abspath(module.__file__)).parent
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
-        newest = load_manifest().payload_base.version
+        versions = load_manifest().versions
         raise BaseMismatchError(
-            f"torch_overlay: torch is not installed for {sys.executable}. "
-            f"Install a supported release, e.g. `pip install torch=={newest}`."
+            f"torch_overlay: torch is not installed for {sys.executable}. Install one of the releases it serves "
+            f"first, {', '.join(versions[:-1])} or {versions[-1]}: `pip install torch==<version>`."
         )
     return Path(os.path.abspath(next(iter(spec.submodule_search_locations))))
 

@@ -69,6 +69,8 @@ class ProcessState:
     """False while the start-up hook's finder waits for the first import of a replaced module to check."""
     disabled_reason: str | None
     """Why an activation from the start-up hook stood down (base mismatch), else None."""
+    disabled_fix: str | None
+    """The command that fixes what made it stand down, where there is one."""
     modules: tuple[tuple[str, ModuleState], ...]
 
 
@@ -175,8 +177,9 @@ def activate(*, guard_on_first_use: bool = False, strict: bool = False) -> None:
         if finder is not None:
             # Installed by the start-up hook: an explicit call checks the base now, and says so if it failed.
             if not guard_on_first_use and finder.verify() is not None:
+                fix = f" {finder.disabled_fix}" if finder.disabled_fix else ""
                 raise BaseMismatchError(
-                    f"torch_overlay: the overlay stood down in this process: {finder.disabled_reason}"
+                    f"torch_overlay: the overlay stood down in this process: {finder.disabled_reason}.{fix}"
                 )
             return
         manifest = load_manifest()
@@ -273,27 +276,33 @@ def deactivate() -> None:
 
 def require_active() -> None:
     """Raise :class:`NotActiveError` unless this process runs the change: the overlay active, its base matched and
-    no replaced module left stock, or fork mode applied to the installed torch."""
+    no replaced module left stock, or fork mode applied to the installed torch. The message names the cause and
+    its fix (for a torch changed under the start-up hook, the reinstall that the base check names)."""
+    fix = (
+        "Activate it before building models: `python -m torch_overlay.activate` (every process) or "
+        "`torch_overlay.activate()`; `python -m torch_overlay.activate --status` says what is served."
+    )
     with _originals.lock:
         finder = installed_finder()
         if finder is None:
             try:
-                off = env_mode() is EnvMode.OFF
-            except EnvValueError:  # not activated either: say that
-                off = False
+                off, env_error = env_mode() is EnvMode.OFF, None
+            except EnvValueError as e:  # not activated either: say both
+                off, env_error = False, str(e).removeprefix("torch_overlay: ")
             reason = f"{ENV_VAR}={os.environ[ENV_VAR]} turns it off" if off else "it was not activated"
+            if off:
+                fix = f"Unset {ENV_VAR}; `python -m torch_overlay.activate --status` says what is served."
+            if env_error is not None:
+                reason += f", and {env_error}"
         elif finder.verify() is not None:
             reason = "" if finder.fork_mode else f"it stood down: {finder.disabled_reason}"
+            fix = finder.disabled_fix or fix
         else:
             stock = [name for name, state in process_state().modules if state is ModuleState.STOCK]
             reason = f"{', '.join(stock)} stayed stock" if stock else ""
     if not reason or _fork.active_state() is not None:
         return
-    raise NotActiveError(
-        f"torch_overlay: the overlay is not active in this process: {reason}. Activate it before building models: "
-        "`python -m torch_overlay.activate` (every process) or `torch_overlay.activate()`; "
-        "`python -m torch_overlay.activate --status` says what is served."
-    )
+    raise NotActiveError(f"torch_overlay: the overlay is not active in this process: {reason}. {fix}")
 
 
 def process_state() -> ProcessState:
@@ -311,8 +320,9 @@ def process_state() -> ProcessState:
             modules.append((overlay.name, state))
         finder = installed_finder()
         disabled = finder.disabled_reason if finder is not None else None
+        fix = finder.disabled_fix if finder is not None else None
         checked = finder is not None and finder.base_checked
-        return ProcessState(finder is not None and disabled is None, checked, disabled, tuple(modules))
+        return ProcessState(finder is not None and disabled is None, checked, disabled, fix, tuple(modules))
 
 
 def _serve(stock: types.ModuleType, spec: ModuleSpec | None, manifest: Manifest) -> types.ModuleType:

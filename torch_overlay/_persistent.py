@@ -3,7 +3,9 @@
 ``site`` executes ``import`` lines of ``.pth`` files at every interpreter start, so every process of the
 environment (``spawn`` children and torchrun ranks included) runs ``_startup.boot()`` without code changes.
 The line itself guards everything: ``TORCH_OVERLAY=0`` (``off``, ``false``, ``no``) skips even importing this
-package, and a missing or broken package costs one line on stderr instead of a traceback from ``site``.
+package, and a broken package costs one line on stderr instead of a traceback from ``site``. A package that was
+uninstalled (``pip uninstall torch-overlay``, which does not know the hook) leaves no distribution beside the
+hook: the hook then removes itself, silently, so that no process of the environment says anything about it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,17 @@ if not off and not getattr(sys, "_torch_overlay_hook_ran", False):
     try:
         from torch_overlay._startup import boot
     except Exception as e:
-        sys.stderr.write("torch_overlay: start-up hook %s did nothing, torch_overlay cannot be imported (%r); "
-                         "reinstall torch-overlay or delete that file\\n" % (HOOK_PATH, e))
+        import glob
+        site_dir = os.path.dirname(HOOK_PATH)
+        if (isinstance(e, ModuleNotFoundError) and e.name == "torch_overlay"
+                and not glob.glob(os.path.join(glob.escape(site_dir), "torch_overlay-*.dist-info"))):
+            try:  # uninstalled: the hook goes too, without a word
+                os.remove(HOOK_PATH)
+            except OSError:
+                pass
+        else:
+            sys.stderr.write("torch_overlay: start-up hook %s did nothing, torch_overlay cannot be imported (%r); "
+                             "reinstall torch-overlay or delete that file\\n" % (HOOK_PATH, e))
     else:
         boot()
 """

@@ -19,8 +19,8 @@ def boot() -> None:
     """Activate the overlay lazily as ``TORCH_OVERLAY`` says; warns at most once.
 
     It raises only where the variable asks for failure: under ``TORCH_OVERLAY=require``, a replaced module imported
-    before the hook ran and a torch the overlay cannot serve. An invalid value makes the first import of a replaced
-    module raise, naming the values it takes, rather than start-up.
+    before the hook ran and a torch the overlay cannot serve. An invalid value leaves start-up alone: the first
+    import of a replaced module ends the process with one line naming the values it takes (exit status 1).
     """
     try:
         mode = env_mode()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from torch_overlay import __version__
 from torch_overlay._env import ENV_VAR, EnvMode, EnvValueError, env_mode
-from torch_overlay._fork import ForkState, active_state
+from torch_overlay._fork import ForkState, active_state, fork_problems
 from torch_overlay._guard import BaseCheck, BaseMismatchError, check_base
-from torch_overlay._loader import ProcessState, process_state
+from torch_overlay._loader import ModuleState, ProcessState, process_state
 from torch_overlay._manifest import load_manifest
 from torch_overlay._persistent import hook_is_current, installed_hook
 
@@ -41,6 +41,8 @@ class OverlayStatus:
         lines = [self.base_error] if self.base_error else []
         if self.base is not None and self.fork is None:  # fork mode's files are the patched ones, on purpose
             lines += self.base.problems()
+        if self.base is not None and self.fork is not None:
+            lines += fork_problems(self.fork, self.base.torch_dir)
         if self.env_error is not None:
             lines.append(self.env_error)
         if self.persistent_hook is not None and not self.persistent_hook_current:
@@ -49,6 +51,12 @@ class OverlayStatus:
                 "rewrite it with `python -m torch_overlay.activate`"
             )
         return lines
+
+    def fix(self) -> str | None:
+        """The command that fixes a base mismatch (the one ``activate()``'s refusal names), else None."""
+        if self.base is None or self.fork is not None or self.base.ok:
+            return None
+        return self.base.fix()
 
     def format(self) -> str:
         """The table ``python -m torch_overlay.activate --status`` prints."""
@@ -64,7 +72,10 @@ class OverlayStatus:
             rows.append(("torch", f"not found ({self.base_error})"))
         manifest = self.base.manifest if self.base is not None else load_manifest()
         rows.append(("bases", ", ".join(manifest.versions)))
-        rows.append(("served", f"{len(manifest.runtime_modules)} modules at run time (below)"))
+        if self.fork is not None:
+            rows.append(("served", f"by fork mode: {len(self.fork.patches)} patches applied in place to torch's files"))
+        else:
+            rows.append(("served", f"{len(manifest.runtime_modules)} modules at run time (below)"))
         docstring_only = [m.name for m in manifest.modules if not m.runtime]
         if docstring_only:
             rows.append(("not served", f"{', '.join(docstring_only)} (docstrings only: fork mode, series)"))
@@ -73,7 +84,9 @@ class OverlayStatus:
         fork = self.fork
         rows.append(("fork mode", f"applied ({len(fork.patches)} patches in place)" if fork else "not applied"))
         rows.append((ENV_VAR, self._env_row()))
-        if self.process.active and not self.process.base_checked:
+        if self.fork is not None:
+            process = "served by fork mode (torch's own files are patched; nothing to activate)"
+        elif self.process.active and not self.process.base_checked:
             process = "active (the base is checked at the first import of a replaced module)"
         elif self.process.active:
             process = "active"
@@ -85,11 +98,18 @@ class OverlayStatus:
         width = max(len(k) for k, _ in rows) + 2
         lines = [f"{k + ':':<{width}}{v}" for k, v in rows]
         name_width = max(len(name) for name, _ in self.process.modules) + 2
-        lines += [f"  {name:<{name_width}}{state.value}" for name, state in self.process.modules]
+        lines += [f"  {name:<{name_width}}{self._module_state(state)}" for name, state in self.process.modules]
         lines += [f"problem: {p}" for p in self.problems()]
+        if self.fix() is not None:
+            lines.append(f"fix: {self.fix()}")
         if self.base is not None and self.base.warning:
             lines.append(f"warning: {self.base.warning}")
         return "\n".join(lines)
+
+    def _module_state(self, state: ModuleState) -> str:
+        if self.fork is not None and state is ModuleState.STOCK:
+            return "patched by fork mode"
+        return state.value
 
     def _env_row(self) -> str:
         if self.env_mode is None:

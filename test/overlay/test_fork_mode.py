@@ -146,6 +146,10 @@ torch-overlay: fork mode already applied (1 patches; nothing changed)
         )
         status = self.cli("status")
         self.assertIn("fork mode:     applied (1 patches in place)", status)
+        # Fork mode serves this process (and every other): the patched files are torch's own.
+        self.assertIn("served:        by fork mode: 1 patches applied in place to torch's files", status)
+        self.assertIn("this process:  served by fork mode (torch's own files are patched; nothing to activate)", status)
+        self.assertTrue(_fork.notice_path(self.torch_dir).is_file(), "the line that outlives `pip uninstall`")
         files = len(load_manifest().modules)
         self.assertIn(f"base:          torch {self.version}, {files} files: patched by fork mode", status)
         self.assertNotIn("problem:", status, "fork mode's patched files are no mismatch")
@@ -159,12 +163,25 @@ torch-overlay: fork mode already applied (1 patches; nothing changed)
         self.assertEqual(off.stdout, "served\n", off.stderr)
         self.assertIn("torch_overlay.activate() ignored: TORCH_OVERLAY=0 is set; but fork mode is applied to the "
                       "installed torch, and the variable does not turn it off", off.stderr)  # fmt: skip
+        # A job gated on --check passes on a healthy fork, and fails on a patched file changed since.
+        check = self.run_scratch("-m", "torch_overlay", "check")
+        self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
         self.assertExpectedInline(
-            self.cli("check"),
+            check.stdout,
             """\
-torch-overlay: check failed: fork mode is applied (1 patches in place), so the installed files are the patched ones, not the base. Run `torch-overlay revert-patches` first.
-""",  # noqa: E501
+torch-overlay: check passed: fork mode serves torch VERSION (1 patches applied in place, every file as fork mode wrote it)
+""".replace("VERSION", self.version),  # noqa: E501
         )
+        patched = self.torch_dir.parent / WARNING_FILE
+        content = patched.read_bytes()
+        patched.write_bytes(content + b"# local edit\n")
+        try:
+            check = self.run_scratch("-m", "torch_overlay", "check")
+        finally:
+            patched.write_bytes(content)
+        self.assertEqual(check.returncode, 1, check.stdout + check.stderr)
+        self.assertIn(f"check failed: {patched} changed since fork mode was applied", check.stderr)
+        self.assertIn(f"pip install --force-reinstall --no-deps torch=={self.version}", check.stderr)
         refused = self.run_scratch("-c", "import torch_overlay._loader as l; l.activate()")
         self.assertIn("refusing to activate the overlay: fork mode is active", refused.stderr)
         self.assertIn("refusing to install the persistent overlay: fork mode is active", self.cli("apply-overlay"))
@@ -177,8 +194,30 @@ torch-overlay: check failed: fork mode is applied (1 patches in place), so the i
         )
         self.assertEqual(_hashes(self.torch_dir), self.pristine)
         self.assertFalse(_fork.state_dir(self.torch_dir).exists())
+        self.assertFalse(_fork.notice_path(self.torch_dir).exists())
         self.assertIn("fork mode:     not applied", self.cli("status"))
         # Every file is stock again, byte for byte, and `pytest --stock` proves the red test red on stock.
+
+    def test_a_wrong_patches_path_is_named(self) -> None:
+        """`--patches` naming no series says so (and where the series this package carries is), not `make patches`."""
+        empty = Path(self._tmp.name) / "empty"
+        empty.mkdir(exist_ok=True)
+        for path, what in ((Path(self._tmp.name) / "nope", "no such directory"), (empty, "a directory without")):
+            said = self.cli("apply-patches", "--patches", str(path))
+            self.assertIn(f"torch_overlay: --patches {path}: {what}", said)
+            self.assertIn("Nothing was changed. Pass a torch-overlay checkout's patches/ directory, or leave --patches "
+                          "out: this package carries the series", said)  # fmt: skip
+            self.assertNotIn("make patches", said)
+        self.assertEqual(_hashes(self.torch_dir), self.pristine)
+
+    def test_the_package_carries_the_series(self) -> None:
+        """What `torch-overlay apply-patches` uses without --patches: every base's series, in the package (a link
+        to patches/ in a checkout, package data in a wheel: test_install.py)."""
+        for base in load_manifest().bases:
+            carried = [(p.name, p.read_bytes()) for p in _fork.series(None, base.version)]
+            self.assertEqual(
+                carried, [(p.name, p.read_bytes()) for p in _fork.series(REPO_ROOT / "patches", base.version)]
+            )
 
     def assert_refused(self, expected: str) -> None:
         with self.assertRaises(_fork.ForkError) as e:
@@ -346,7 +385,7 @@ class TestForkInterrupted(expecttest.TestCase):
             with self.assertRaises(_fork.ForkError) as e:
                 _fork.apply(None, self.torch_dir)
         self.assertIn(
-            "Pass a checkout's patches/ directory: `torch-overlay apply-patches --patches DIR`", str(e.exception)
+            "pass a checkout's patches/ directory: `torch-overlay apply-patches --patches DIR`", str(e.exception)
         )
         self.assertEqual(_hashes(self.torch_dir), self.pristine)
 

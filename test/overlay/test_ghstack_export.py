@@ -8,20 +8,25 @@ the fake GitHub and a clone of it for the contributor's checkout; the checkout g
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import subprocess
 import tempfile
 import unittest
+import zipfile
 from pathlib import Path
 from unittest import mock
 
 import expecttest
 import ghstack.test_prelude as gh
-from _patch_project import BASE, UPSTREAM_TEST_OLD, make_project, share_upstream_edit
+from _patch_project import BASE, OLD_BASE, UPSTREAM_TEST_OLD, make_project, share_upstream_edit
 
+from tools import ghstack_export
 from tools.ghstack_export import ExportError, export_stack, offline_base, offline_stack, user_identity
 from tools.patches import generate, write
-from tools.pristine import pristine
+from tools.pristine import pristine, wheel_dir
+from tools.project import REPO_ROOT
 
 
 async def _submit_stack(patches_dir: Path) -> tuple[list[str], list[dict]]:
@@ -159,10 +164,54 @@ Set it: git config --global user.name "Your Name" && git config --global user.em
         self.assertExpectedInline(
             offline_stack(self.project, base, found, ("Pat Contributor", "pat@example.com")),
             """\
-torch 9.9.0's series as ghstack would push it (2 PRs, by Pat Contributor <pat@example.com>):
+the upstream series on torch 9.9.0, as ghstack would push it (2 PRs, by Pat Contributor <pat@example.com>):
 #500 [FSDP] Fix line 3
 #501 [2D] Extend alpha and beta""",
         )
+
+    def test_an_older_base_exports_the_upstream_series_only(self) -> None:
+        """The stack goes upstream: never the backport that 9.8.0's own series (fork mode's) adds."""
+        base = self.project.manifest().base("9.8.0")
+        found = pristine(self.project, self.sources)
+        stack = offline_stack(self.project, base, found, ("Pat Contributor", "pat@example.com"))
+        self.assertIn("the upstream series on torch 9.8.0, as ghstack would push it (2 PRs", stack)
+        self.assertNotIn("Backport", stack)
+
+    def make_ghstack(self, *args: str) -> tuple[int, str]:
+        """`make ghstack GHSTACK_OFFLINE=1 ...` on the synthetic project, by Pat."""
+        out = io.StringIO()
+        identity = mock.patch.object(ghstack_export, "user_identity", return_value=("Pat", "pat@example.com"))
+        with identity, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = ghstack_export.main(["--offline", *args], project=self.project)
+        return code, out.getvalue()
+
+    def test_offline_on_a_machine_without_the_base_fetches_it(self) -> None:
+        """Only the default venv here: the base's pristine files come as `make sources` gets them, its wheel."""
+
+        def fetch(project, bases):
+            self.assertEqual([b.version for b in bases], ["9.8.0"])
+            wheel_dir(project).mkdir(parents=True)
+            with zipfile.ZipFile(wheel_dir(project) / "torch-9.8.0-py3-none-any.whl", "w") as wheel:
+                for path, text in OLD_BASE.items():
+                    wheel.writestr(path, text)
+            return []
+
+        with mock.patch.object(ghstack_export, "fetch", side_effect=fetch) as fetched:
+            code, out = self.make_ghstack("--base", "9.8.0")
+        self.assertEqual(code, 0, out)
+        self.assertEqual(fetched.call_count, 1)
+        self.assertIn("torch 9.8.0's pristine files are not on this machine: downloading its wheel", out)
+        self.assertIn("the upstream series on torch 9.8.0, as ghstack would push it (2 PRs, by Pat", out)
+
+    def test_offline_takes_the_wheel_its_hint_names(self) -> None:
+        """The hint of a missing base (`--wheel (make: WHEEL=)`) is taken by the tool and by `make ghstack`."""
+        with mock.patch.object(ghstack_export, "fetch", side_effect=AssertionError("no download")):
+            code, out = self.make_ghstack("--base", "9.8.0", "--wheel", str(self.sources[1]))
+        self.assertEqual(code, 0, out)
+        self.assertIn("(2 PRs", out)
+        make = ["make", "-n", "-o", ".venv/2.13.0/.installed", "ghstack", "TORCH=2.13.0", "GHSTACK_OFFLINE=1"]
+        dry = subprocess.run([*make, "BASE=2.15.0", "WHEEL=/w.whl"], cwd=REPO_ROOT, capture_output=True, text=True)
+        self.assertIn("--base 2.15.0 --wheel /w.whl", " ".join(dry.stdout.replace("\\\n", " ").split()), dry.stderr)
 
     def test_offline_stand_in_for_an_upstream_test_two_patches_edit(self) -> None:
         # The second diff's hunk (test_z) is far from the first's (test_a): its lines come from the second diff,

@@ -1,13 +1,15 @@
 """The version guard matches the installed torch against every base, names what differs, and changes nothing."""
 
 import json
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 import unittest
 from pathlib import Path
 
-from scratch_env import clean_env, run, tamper, torch_tree
+from scratch_env import REPO_ROOT, clean_env, run, tamper, torch_tree
 
 from torch_overlay._guard import BaseMismatchError, check_base, read_torch_version, require_base
 from torch_overlay._manifest import load_manifest
@@ -126,6 +128,37 @@ class GuardTest(unittest.TestCase):
         self.assertTrue(report["torch"].startswith(str(self.root)), report["torch"])
         self.assertIn(UNSHARD.path, report["error"])
         self.assertTrue(report["unchanged"])
+
+
+class NamesTest(unittest.TestCase):
+    def test_every_error_is_a_name_of_the_package(self):
+        """What the docs tell users to catch is importable from the package: GraftError and ForkError too."""
+        import torch_overlay
+        from torch_overlay._fork import ForkError
+        from torch_overlay._graft import GraftError
+
+        self.assertIs(torch_overlay.ForkError, ForkError)
+        self.assertIs(torch_overlay.GraftError, GraftError)
+        for name in torch_overlay.__all__:
+            self.assertTrue(hasattr(torch_overlay, name), name)
+
+    def test_no_torch_names_the_releases_it_serves(self):
+        """The README's default is 2.13.0 of several: with no torch, the error names every base, no one release."""
+        with tempfile.TemporaryDirectory() as tmp:
+            venv = Path(tmp) / "venv"
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+            python = str(venv / "bin" / "python")
+            purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
+            self.assertNotEqual(purelib, sysconfig.get_path("purelib"))
+            (Path(purelib) / "reach_checkout.pth").write_text(f"{REPO_ROOT}\n")
+            result = run([python, "-m", "torch_overlay.activate", "--check"], cwd=Path(tmp))
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        versions = MANIFEST.versions
+        self.assertIn(
+            f"torch is not installed for {python}. Install one of the releases it serves first, "
+            f"{', '.join(versions[:-1])} or {versions[-1]}: `pip install torch==<version>`.",
+            result.stdout + result.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -121,11 +121,16 @@ this process:  active (the base is checked at the first import of a replaced mod
         warnings = [line for line in result.stderr.splitlines() if "torch_overlay" in line]
         self.assertEqual(len(warnings), 1, result.stderr)
         self.assertIn("the overlay is NOT active in this process", warnings[0])
+        # The warning, --status and --check name the cause (the file) and the fix, activate()'s own.
+        fix = f"Reinstall torch with `pip install --force-reinstall --no-deps torch=={check_base().matched.version}`"
+        self.assertIn(UNSHARD.path, warnings[0])
+        self.assertIn(fix, warnings[0])
         # A script can test it: --status and --check exit 1 on a mismatch.
         for flag in ("--status", "--check"):
             status = self.cli(flag, env=clean_env(PYTHONPATH=str(self.root / "tree")))
             self.assertEqual(status.returncode, 1, status.stdout + status.stderr)
             self.assertIn(UNSHARD.path, status.stdout + status.stderr)
+            self.assertIn(fix, status.stdout + status.stderr)
 
     def test_hook_serves_an_unlisted_release_with_the_base_files_and_one_warning(self):
         self.assertEqual(self.cli().returncode, 0)
@@ -146,28 +151,36 @@ this process:  active (the base is checked at the first import of a replaced mod
         self.assertIn("warning: torch_overlay: torch 99.0.0 is not a listed base", self.cli("--status", env=env).stdout)
 
     def test_broken_or_missing_package_never_breaks_startup(self):
+        """A broken package costs one line; an uninstalled one (no distribution beside the hook, as after `pip
+        uninstall torch-overlay`) nothing: the hook removes itself, so no process of the environment says a word."""
         self.assertEqual(self.cli().returncode, 0)
         broken = self.root / "broken" / "torch_overlay"
         broken.mkdir(parents=True)
         (broken / "__init__.py").write_text("raise RuntimeError('half-uninstalled')\n")
+        half = ScratchVenv(self.root / "half", with_package=False)  # its distribution is there, its package is not
+        half.hook.write_text(hook_text(half.hook))
+        (half.site_packages / "torch_overlay-0.0.0.dist-info").mkdir()
         gone = ScratchVenv(self.root / "gone", with_package=False)
         gone.hook.write_text(hook_text(gone.hook))
-        for python, env in (
-            (self.venv.python, clean_env(PYTHONPATH=str(broken.parent))),
-            (gone.python, clean_env()),
-        ):
-            result = run([python, "-c", "import sys; print('torch' in sys.modules)"], env=env)
+        code = ["-c", "import sys; print('torch' in sys.modules)"]
+        for python, env in ((self.venv.python, clean_env(PYTHONPATH=str(broken.parent))), (half.python, clean_env())):
+            result = run([python, *code], env=env)
             self.assertEqual((result.returncode, result.stdout), (0, "False\n"), result.stderr)
             lines = result.stderr.splitlines()
             self.assertEqual(len(lines), 1, result.stderr)
             self.assertIn("torch_overlay: start-up hook", lines[0])
             self.assertIn("did nothing", lines[0])
+        for _ in range(2):
+            result = run([gone.python, *code])
+            self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "False\n", ""))
+            self.assertFalse(gone.hook.exists())
 
 
 class EnvVariableTest(TestCase):
     """TORCH_OVERLAY takes the documented values only, and each does what docs/activation.md says, under the persistent
-    hook: unset (served), 0/off/false/no in any case (stock), require (served, or importing torch raises where it
-    cannot be), anything else (importing torch and activate() raise, naming the values)."""
+    hook: unset or 1/on/true/yes in any case (served), 0/off/false/no (stock), require (served, or importing torch
+    raises where it cannot be), anything else (importing torch ends the process with one line naming the values,
+    activate() raises)."""
 
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
@@ -185,29 +198,36 @@ class EnvVariableTest(TestCase):
 
     def test_each_value_does_what_it_says(self):
         finder = "import sys; print([type(f).__name__ for f in sys.meta_path if 'Overlay' in type(f).__name__])"
-        for value, installed in (("", True), ("0", False), ("Off", False), ("false", False), ("NO", False)):
+        values = (("", True), ("0", False), ("Off", False), ("false", False), ("NO", False))
+        values += (("1", True), ("On", True), ("TRUE", True), ("yes", True))  # the spellings of "on": the default
+        for value, installed in values:
             with self.subTest(value=value):  # the hook's own test of the value (no torch needed)
                 self.assertEqual(self.python(finder, value).stdout, f"{['OverlayFinder'] if installed else []}\n")
-        for value, served in (("", True), ("off", False), ("require", True)):
+        for value, served in (("", True), ("1", True), ("off", False), ("require", True)):
             with self.subTest(value=value):
                 report = probe(self.venv.python, env=clean_env(TORCH_OVERLAY=value))
                 self.assertEqual(
                     (report["here"]["warning_fixed"], report["here"]["warning_stock"]), (served, not served)
                 )
-        for value in ("00", "1", "yes"):
+        takes = (
+            "unset or 1, on, true, yes (the overlay serves where it is activated), 0, off, false, no (stock torch), "
+        )
+        takes += "or require (raise where it cannot serve)"
+        for value in ("00", "enable"):
             with self.subTest(value=value):
-                accepted = f"torch_overlay: TORCH_OVERLAY={value!r} is not a value it takes: leave it unset"
+                said = f"torch_overlay: TORCH_OVERLAY={value!r} is not a value it takes: {takes}"
                 activated = self.python("import torch_overlay; torch_overlay.activate()", value)
-                self.assertIn(f"EnvValueError: {accepted}", activated.stderr)
-                self.assertIn("0, off, false, no (stock torch), or require", activated.stderr)
+                self.assertIn(f"EnvValueError: {said}", activated.stderr)
                 status = run(
                     [self.venv.python, "-m", "torch_overlay.activate", "--status"], clean_env(TORCH_OVERLAY=value)
                 )
                 self.assertEqual(status.returncode, 1)
-                self.assertIn(f"problem: {accepted}", status.stdout)
-        imported = self.python("import torch", "00")  # start-up went on; the first replaced module raises
-        self.assertNotEqual(imported.returncode, 0)
-        self.assertIn("NotServedError: torch_overlay: TORCH_OVERLAY='00' is not a value it takes", imported.stderr)
+                self.assertIn(f"problem: {said}", status.stdout)
+        # Start-up went on; the first import of a replaced module ends the process with that one line, exit 1,
+        # never a traceback through torch's modules.
+        imported = self.python("import torch; print('imported')", "enable")
+        said = f"torch_overlay: TORCH_OVERLAY='enable' is not a value it takes: {takes}\n"
+        self.assertEqual((imported.returncode, imported.stdout, imported.stderr), (1, "", said))
 
     def test_require_raises_where_the_overlay_cannot_serve(self):
         """A torch file changed under the installed hook, and a release that is not a base: the first import of a
@@ -239,13 +259,17 @@ class EnvVariableTest(TestCase):
         self.assertEqual(self.python(script, "").stdout, "served\n")
         off = self.python(script, "0")
         self.assertIn("NotActiveError: torch_overlay: the overlay is not active in this process: TORCH_OVERLAY=0 "
-                      "turns it off. Activate it before building models", off.stderr)  # fmt: skip
+                      "turns it off. Unset TORCH_OVERLAY;", off.stderr)  # fmt: skip
         changed = torch_tree(self.root / "changed", (UNSHARD.path.removeprefix("torch/"),))
         tamper(Path(UNSHARD.upstream_file(changed)), "FLAT_PARAM = ", "FLAT_PARAM  = ")
         stood_down = self.python(script, "", changed)
         self.assertIn("NotActiveError: torch_overlay: the overlay is not active in this process: it stood down: ",
                       stood_down.stderr)  # fmt: skip
         self.assertIn(UNSHARD.path, stood_down.stderr)
+        # Its fix is the reinstall, not activating (the overlay is activated, and stood down on this torch).
+        fix = f"Reinstall torch with `pip install --force-reinstall --no-deps torch=={check_base().matched.version}`"
+        self.assertIn(fix, stood_down.stderr)
+        self.assertNotIn("Activate it before building models", stood_down.stderr)
         removed = run([self.venv.python, "-m", "torch_overlay.activate", "--revert"])
         self.assertEqual(removed.returncode, 0, removed.stderr)
         late = self.python(script, "")
