@@ -10,12 +10,14 @@ touched files are compiled, and the test files of every patch applied (their ``t
 the upstream test files they edit, as the prefix leaves them) run with pytest: a later patch must not break
 an earlier one's tests. ``--import-only`` runs no tests;
 ``--test-last`` (CI) runs them at the last prefix only, which costs one run of every test instead of one per
-prefix that has it.
+prefix that has it; ``--own-tests`` (CI) runs at each prefix only the tests its last patch adds or changes
+(:mod:`tools.own_tests`), so that every patch passes its own tests where it lands.
 
 Then the stack rules (:mod:`tools.stack_rules`) are checked on every patch of the upstream series, and no
-patch may remove lines an earlier one added unless its message names that patch.
+patch may remove lines an earlier one added unless its message names that patch; and the lines each patch adds
+are linted at its prefix (:mod:`tools.stack_lint`, :func:`series_lint`).
 
-    python -m tools.check_stack [--import-only | --test-last] [--rules-only] [--wheel TORCH_WHEEL_OR_DIR ...]
+    python -m tools.check_stack [--import-only | --test-last | --own-tests] [--rules-only] [--wheel WHEEL_OR_DIR ...]
     python -m tools.check_stack --table   # docs/patches.md's table of the upstream stack
 """
 
