@@ -344,12 +344,14 @@ def check_prefix(
     except PatchApplyError as e:
         return PrefixResult(prefix, f"{e.patch.name} does not reverse: {e.stderr}")
     # The test files the series adds, and the upstream ones it edits, as the prefix leaves them.
-    for path, content in [*((p, c) for p, c in tree.items() if p.startswith("test/")), *rewritten.items()]:
+    served = {**{p: c for p, c in tree.items() if p.startswith("test/")}, **rewritten}
+    for path, content in served.items():
         (scratch / path).parent.mkdir(parents=True, exist_ok=True)
         (scratch / path).write_bytes(content)
     red_list = Path("test", "overlay", "red_on_stock.txt")
     if (project.root / red_list).is_file():
-        earlier = {p: c for p, c in rewritten.items() if c != project.repo_file(p).read_bytes()}
+        repo = {p: project.repo_file(p) for p in served}
+        earlier = {p: c for p, c in served.items() if not repo[p].is_file() or c != repo[p].read_bytes()}
         (scratch / red_list).write_text(prefix_red_list((project.root / red_list).read_text(), earlier))
     select: list[str] = []
     if own:
