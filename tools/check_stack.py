@@ -356,8 +356,9 @@ def check_prefix(
     select: list[str] = []
     if own:
         ids = own_test_ids(prefix.entry, {**tree, **rewritten})
+        absent = [f"\nnot run: {p} is not in this repository" for p in own_test_files(prefix.entry) if p not in served]
         if not ids:
-            return dataclasses.replace(result, tests="its diff changes no test")
+            return dataclasses.replace(result, tests="its diff changes no test here" + "".join(absent))
         tests, select = list(dict.fromkeys(i.split("::", 1)[0] for i in ids)), ["-p", "tools._own_tests_plugin"]
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="torch-overlay-own-") as tmp:
@@ -378,19 +379,26 @@ def check_prefix(
     if own and reports:
         unmatched = sorted(set.intersection(*(set(r["unmatched"]) for r in reports)))
         summary += "".join(f"\nnot collected here (deselected, or absent): {i}" for i in unmatched)
+    if own:
+        summary += "".join(absent)
     if not ok:
         summary += "".join(f"\n{line}" for line in failure_lines(proc.stdout))
     return PrefixResult(prefix, None, imported, modules, summary, ok)
 
 
+def own_test_files(entry: StackPatch) -> list[str]:
+    """The test files (``test/**/test_*.py``) patch ``entry``'s diff adds or changes."""
+    diff = split_patch(entry.file.read_text(encoding="utf-8"))[1]
+    return [p for p in file_hunks(diff) if p.startswith("test/") and re.fullmatch(r"test_.*\.py", Path(p).name)]
+
+
 def own_test_ids(entry: StackPatch, files: dict[str, bytes]) -> list[str]:
     """The node ids of patch ``entry``'s own tests (:mod:`tools.own_tests`), in ``files`` (its prefix's): each
     test file it adds whole (its ``tests``), and in each other test file its diff changes, the tests it adds or
-    changes."""
+    changes (a file ``files`` lacks, an upstream test file this repository does not hold, is left out)."""
     ids = []
     for path, hunks in file_hunks(split_patch(entry.file.read_text(encoding="utf-8"))[1]).items():
-        name = Path(path).name
-        if not (path.startswith("test/") and name.startswith("test_") and name.endswith(".py")) or path not in files:
+        if path not in own_test_files(entry) or path not in files:
             continue
         if path in entry.patch.tests:
             ids.append(path)

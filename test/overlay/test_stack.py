@@ -32,6 +32,7 @@ from tools.check_stack import (
     check_prefix,
     check_stack,
     failure_lines,
+    own_test_files,
     own_test_ids,
     prefix_red_list,
     prefix_tests,
@@ -513,6 +514,8 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
 
         found = list(prefixes(self.project, base, self.found.files(base)))
         upstream = "test/fake/test_upstream.py"
+        self.assertEqual(sorted(own_test_files(found[1].entry)), ["test/fake/test_two.py", upstream])
+        self.assertEqual(own_test_ids(found[1].entry, {}), [])  # files the prefix lacks are left out
         self.assertEqual(
             own(found),
             [["test/fake/test_one.py"], ["test/fake/test_two.py", f"{upstream}::test_a"], ["test/fake/test_three.py"]],
