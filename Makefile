@@ -101,9 +101,11 @@ check: install sources
 	$(PY) -m tools.check $(if $(WHEEL),--wheel $(WHEEL))
 
 # Every prefix of the installed base's series applied to its pristine files, its touched modules imported and the
-# tests of every patch it applies run, all served from a scratch copy; then the stack rules on the upstream series.
-# CHECK_STACK_ARGS=--import-only skips the tests, --test-last runs them at the last prefix only (CI), --rules-only
-# skips everything but the rules; --table prints docs/patches.md's stack table.
+# tests of every patch it applies run, all served from a scratch copy; then the stack rules on the upstream series
+# and the lint of the lines each patch adds (flake8 E, F, W, each patch at its prefix; docs/patches.md).
+# CHECK_STACK_ARGS=--own-tests runs at each prefix only the tests its last patch adds or changes (CI, default base),
+# --import-only skips the tests, --test-last runs them at the last prefix only (CI, newest base), --rules-only
+# skips everything but the rules and the lint; --table prints docs/patches.md's stack table.
 check-stack: install sources
 	$(PY) -m tools.check_stack $(if $(WHEEL),--wheel $(WHEEL)) --jobs $(PYTEST_JOBS) $(CHECK_STACK_ARGS)
 

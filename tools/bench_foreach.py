@@ -1,7 +1,12 @@
 """Benchmark: the cost of the foreach grouping that keeps DTensors apart from plain tensors, side by side with stock.
 
 One process, CPU, 1 thread. Stock's and the overlay's ``_group_tensors_by_device_and_dtype`` are loaded from their
-files under private names, so both run in the same process on the same tensors, in rotated order:
+files under private names, so both run in the same process on the same tensors, interleaved: each of ``--repeats``
+repeats times ``--calls`` calls of stock's, the overlay's and stock's again, in an order rotated from one repeat to
+the next, and a row gives the fastest timings and the median (and quartiles) over the repeats of overlay / stock
+in the same repeat; stock again / stock is the noise floor of that ratio on the machine as loaded. Timings are
+the CPU time of the benchmark's thread (``time.thread_time``; torch runs one thread), so that the time other
+processes of a loaded machine take does not count:
 
 - the grouping alone, on AdamW's five lists (parameters, gradients, two moments, steps) of a plain model, and on
   four lists of 1000 plain tensors (the review's case);
@@ -9,12 +14,13 @@ files under private names, so both run in the same process on the same tensors, 
   ``torch.optim.optimizer`` calling one grouping or the other;
 - all of it first with no subclass that takes foreach calls (``torch.distributed.tensor`` not imported: the overlay's
   grouping is then the C++ grouping after one length check), then again with DTensor registered (imported), where
-  the overlay looks at the type of every tensor of the first list;
+  the overlay looks at the type of each tensor of the first list, in C, until the first DTensor;
+- what the overlay adds there, its check of the first list, timed alone (less an empty call);
 - the overlay's grouping on the same lists where half the tensors are DTensors (a one-rank mesh): the split path,
   which stock cannot run (its foreach call fails).
 
-The model: ``--layers`` linear layers of ``--dim`` (weight and bias: 200 parameters by default). Median of
-``--repeats`` timings of ``--calls`` calls each.
+The model: ``--layers`` linear layers of ``--dim`` (weight and bias: 200 parameters by default); an optimizer's
+timing is ``--step-calls`` steps.
 """
 
 from __future__ import annotations
@@ -55,14 +61,25 @@ def groupings() -> dict[str, Callable]:
     return {"stock": stock._group_tensors_by_device_and_dtype, "overlay": overlay._group_tensors_by_device_and_dtype}
 
 
-def median_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+def paired(fns: dict[str, Callable[[], object]], calls: int, repeats: int) -> dict[str, list[float]]:
+    """Each function's timings (CPU time of this thread, us per call, ``calls`` calls a timing), interleaved:
+    every repeat times each function once, in an order rotated from one repeat to the next, so that the timings
+    of one repeat share the machine's load (:func:`ratios`)."""
+    names, times = list(fns), {name: [] for name in fns}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = fns[name]
+            start = time.thread_time()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.thread_time() - start) / calls * 1e6)
+    return times
+
+
+def ratios(times: dict[str, list[float]], name: str, against: str = "stock") -> tuple[float, float, float]:
+    """The median and quartiles of ``name``'s timing over ``against``'s of the same repeat."""
+    q1, median, q3 = statistics.quantiles([a / b for a, b in zip(times[name], times[against], strict=True)], n=4)
+    return median, q1, q3
 
 
 def adamw_lists(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -75,6 +92,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=100)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--step-calls", type=int, default=10, help="optimizer steps a timing")
     parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -89,8 +107,10 @@ def main() -> None:
         "SGD(momentum=0.9, foreach=True).step()": torch.optim.SGD(params, lr=1e-6, momentum=0.9, foreach=True),
     }
     review = [[torch.randn(4) for _ in range(1000)] for _ in range(4)]
-    print(f"torch {torch.__version__}, {len(params)} parameters, 1 thread; median us per call (best of 2 rounds)")
-    print(f"{'':56} {'stock':>10} {'overlay':>10} {'ratio':>7}")
+    print(f"torch {torch.__version__}, {len(params)} parameters, 1 thread; us per call, the fastest of {args.repeats}")
+    print("repeats; ratio: the median over the repeats of overlay / stock timed in the same repeat [quartiles];")
+    print("stock again / stock: the same for stock's grouping against itself, the noise floor of the ratio")
+    print(f"{'':50} {'stock':>9} {'overlay':>9} {'overlay / stock':>22} {'stock again / stock':>22}")
     with tempfile.TemporaryDirectory() as store:  # the file store removes its file when done
         dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
         cases = {
@@ -105,29 +125,54 @@ def main() -> None:
                 if registered
                 else "DTensor not registered (torch.distributed.tensor not imported):"
             )
-            rows = compare(group, optimizers, cases, args)
-            for label, row in rows.items():
-                print(f"  {label:54} {row['stock']:10.1f} {row['overlay']:10.1f} {row['overlay'] / row['stock']:7.3f}")
+            for label, times in compare(group, optimizers, cases, args).items():
+                ratio, control = ratios(times, "overlay"), ratios(times, "stock again")
+                cells = [f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]" for r in (ratio, control)]
+                fastest = f"{min(times['stock']):9.1f} {min(times['overlay']):9.1f}"
+                print(f"  {label:48} {fastest} {cells[0]:>22} {cells[1]:>22}")
+        check_alone(params, review[0], args)
         split_path(group, params, args)
         dist.destroy_process_group()
 
 
-def compare(group: dict[str, Callable], optimizers: dict, groupings_of: dict, args) -> dict[str, dict[str, float]]:
-    rows: dict[str, dict[str, float]] = {}
-    order = ["stock", "overlay"]
-    for round_ in range(2):  # rotated order
-        for name in order if round_ == 0 else order[::-1]:
-            fn = group[name]
-            for label, lists in groupings_of.items():
-                row = rows.setdefault(label, {})
-                call = functools.partial(fn, lists)
-                row[name] = min(row.get(name, float("inf")), median_us(call, args.calls, args.repeats))
+def compare(
+    group: dict[str, Callable], optimizers: dict, groupings_of: dict, args
+) -> dict[str, dict[str, list[float]]]:
+    """Each case's timings with stock's grouping, the overlay's, and stock's again (:func:`paired`)."""
+    impls = {"stock": group["stock"], "overlay": group["overlay"], "stock again": group["stock"]}
+    rows = {}
+    for label, lists in groupings_of.items():
+        rows[label] = paired({n: functools.partial(fn, lists) for n, fn in impls.items()}, args.calls, args.repeats)
+
+    def step(opt: torch.optim.Optimizer, fn: Callable) -> Callable[[], None]:
+        def run() -> None:
             optimizer_module._group_tensors_by_device_and_dtype = fn  # what Optimizer's grouping calls
-            for label, opt in optimizers.items():
-                row = rows.setdefault(label, {})
-                row[name] = min(row.get(name, float("inf")), median_us(opt.step, args.calls, args.repeats))
+            opt.step()
+
+        return run
+
+    for label, opt in optimizers.items():
+        fns = {n: step(opt, fn) for n, fn in impls.items()}
+        rows[label] = paired(fns, args.step_calls, args.repeats)
     optimizer_module._group_tensors_by_device_and_dtype = group["stock"]
     return rows
+
+
+def check_alone(params: list[torch.Tensor], plain: list[torch.Tensor], args) -> None:
+    """What the overlay adds to stock's grouping for a list without DTensors, DTensor registered: its check of
+    the first list, timed alone (the same two lines as in the overlay), against an empty call."""
+    from torch.utils._foreach_utils import _foreach_supported_types
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
+    def check(first: list[torch.Tensor]) -> bool:
+        wrappers = set(filter(is_traceable_wrapper_subclass_type, _foreach_supported_types))
+        return wrappers.isdisjoint(map(type, first))
+
+    for first in (params, plain):
+        fns = {"empty": functools.partial(len, first), "check": functools.partial(check, first)}
+        times = paired(fns, args.calls * 10, args.repeats)
+        label = f"the overlay's check alone, {len(first)} tensors"
+        print(f"  {label:48} {min(times['check']) - min(times['empty']):9.2f} us")
 
 
 def split_path(group: dict[str, Callable], params: list[torch.Tensor], args) -> None:
@@ -137,9 +182,12 @@ def split_path(group: dict[str, Callable], params: list[torch.Tensor], args) -> 
     mesh = init_device_mesh("cpu", (1,))
     mixed = [distribute_tensor(p.detach(), mesh, [Replicate()]) if i % 2 else p for i, p in enumerate(params)]
     mixed_lists, plain_lists = [mixed] * 5, [params] * 5
-    split = median_us(functools.partial(group["overlay"], mixed_lists), args.calls, args.repeats)
-    plain = median_us(functools.partial(group["overlay"], plain_lists), args.calls, args.repeats)
-    print(f"{'overlay grouping, half DTensors (split path)':58} {plain:10.1f} {split:10.1f} {split / plain:7.3f}")
+    fns = {"plain": functools.partial(group["overlay"], plain_lists)}
+    fns["split"] = functools.partial(group["overlay"], mixed_lists)
+    times = paired(fns, args.calls, args.repeats)
+    median, q1, q3 = ratios(times, "split", "plain")
+    fastest = f"{min(times['plain']):9.1f} {min(times['split']):9.1f}"
+    print(f"  {'overlay grouping, half DTensors (split path)':48} {fastest} {median:.3f} [{q1:.3f}, {q3:.3f}]")
     print("  (this row: the overlay's grouping of the same 5 lists all plain, then half DTensors)")
 
 

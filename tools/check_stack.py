@@ -10,18 +10,22 @@ touched files are compiled, and the test files of every patch applied (their ``t
 the upstream test files they edit, as the prefix leaves them) run with pytest: a later patch must not break
 an earlier one's tests. ``--import-only`` runs no tests;
 ``--test-last`` (CI) runs them at the last prefix only, which costs one run of every test instead of one per
-prefix that has it.
+prefix that has it; ``--own-tests`` (CI) runs at each prefix only the tests its last patch adds or changes
+(:mod:`tools.own_tests`), so that every patch passes its own tests where it lands.
 
 Then the stack rules (:mod:`tools.stack_rules`) are checked on every patch of the upstream series, and no
-patch may remove lines an earlier one added unless its message names that patch.
+patch may remove lines an earlier one added unless its message names that patch; and the lines each patch adds
+are linted at its prefix (:mod:`tools.stack_lint`, :func:`series_lint`).
 
-    python -m tools.check_stack [--import-only | --test-last] [--rules-only] [--wheel TORCH_WHEEL_OR_DIR ...]
+    python -m tools.check_stack [--import-only | --test-last | --own-tests] [--rules-only] [--wheel WHEEL_OR_DIR ...]
     python -m tools.check_stack --table   # docs/patches.md's table of the upstream stack
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import re
 import shutil
@@ -29,15 +33,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.own_tests import REPORT_ENV, SELECT_ENV, changed_lines, changed_tests
 from tools.patches import commit_message
 from tools.pristine import BaseSourceError, pristine
 from tools.project import Project, default_project
 from tools.series import Patch, SeriesError, load_series, series_for
-from tools.stack_rules import DiffStats, diff_stats, reversion_problems, split_patch, violations
+from tools.stack_lint import Finding, LintError, lint, patch_files, upstream_formatted
+from tools.stack_rules import DiffStats, diff_stats, file_hunks, reversion_problems, split_patch, violations
 from torch_overlay._guard import BaseMismatchError, check_base
 from torch_overlay._manifest import Base
 from torch_overlay._patchset import PatchApplyError, SeriesMissingError, apply_series, read_series
@@ -267,16 +273,23 @@ def upstream_tests(project: Project, prefix: Prefix) -> dict[str, bytes]:
     applied = {e.patch.name for e in prefix.applied}
     out = {}
     for path, editors in prefix.editors.items():
-        rewritten = project.repo_file(path)
-        if not rewritten.is_file() or not applied & set(editors):
-            continue
-        later = [name for name in editors if name not in applied]
-        if not later:  # every patch that edits it is applied: the rewritten file
-            out[path] = rewritten.read_bytes()
-            continue
-        diffs = [project.upstream_edit_file(path, name if len(editors) > 1 else None) for name in later]
-        out[path] = apply_series({path: rewritten.read_bytes()}, reversed(diffs), ["-R"])[path]
+        content = upstream_test_at(project, path, editors, applied)
+        if content is not None:
+            out[path] = content
     return out
+
+
+def upstream_test_at(project: Project, path: str, editors: Sequence[str], applied: Collection[str]) -> bytes | None:
+    """Upstream test file ``path``, which the patches ``editors`` edit (in order), as the patches ``applied``
+    leave it; None where this repository does not hold it or none of them is applied."""
+    rewritten = project.repo_file(path)
+    if not rewritten.is_file() or not set(applied) & set(editors):
+        return None
+    later = [name for name in editors if name not in applied]
+    if not later:  # every patch that edits it is applied: the rewritten file
+        return rewritten.read_bytes()
+    diffs = [project.upstream_edit_file(path, name if len(editors) > 1 else None) for name in later]
+    return apply_series({path: rewritten.read_bytes()}, reversed(diffs), ["-R"])[path]
 
 
 def prefix_red_list(red_list: str, rewritten: dict[str, bytes]) -> str:
@@ -297,8 +310,10 @@ def prefix_red_list(red_list: str, rewritten: dict[str, bytes]) -> str:
 
 def check_prefix(
     project: Project, scratch: Path, prefix: Prefix, pristine_files: dict[str, bytes], import_only: bool,
-    base: Base, python: str = sys.executable, jobs: int = 1,
+    base: Base, python: str = sys.executable, jobs: int = 1, own: bool = False,
 ) -> PrefixResult:  # fmt: skip
+    """Apply, import and test one prefix in the scratch project; ``own``: run patch k's own tests only
+    (:func:`own_test_ids`), else the tests of every patch applied (:func:`prefix_tests`)."""
     manifest = project.manifest()
     tree = prefix.files
     assert tree is not None, "only a prefix that applied is checked"
@@ -328,24 +343,68 @@ def check_prefix(
         rewritten = upstream_tests(project, prefix)
     except PatchApplyError as e:
         return PrefixResult(prefix, f"{e.patch.name} does not reverse: {e.stderr}")
-    for path, content in rewritten.items():
+    # The test files the series adds, and the upstream ones it edits, as the prefix leaves them.
+    served = {**{p: c for p, c in tree.items() if p.startswith("test/")}, **rewritten}
+    for path, content in served.items():
+        (scratch / path).parent.mkdir(parents=True, exist_ok=True)
         (scratch / path).write_bytes(content)
     red_list = Path("test", "overlay", "red_on_stock.txt")
     if (project.root / red_list).is_file():
-        earlier = {p: c for p, c in rewritten.items() if c != project.repo_file(p).read_bytes()}
+        repo = {p: project.repo_file(p) for p in served}
+        earlier = {p: c for p, c in served.items() if not repo[p].is_file() or c != repo[p].read_bytes()}
         (scratch / red_list).write_text(prefix_red_list((project.root / red_list).read_text(), earlier))
+    select: list[str] = []
+    if own:
+        ids = own_test_ids(prefix.entry, {**tree, **rewritten})
+        absent = [f"\nnot run: {p} is not in this repository" for p in own_test_files(prefix.entry) if p not in served]
+        if not ids:
+            return dataclasses.replace(result, tests="its diff changes no test here" + "".join(absent))
+        tests, select = list(dict.fromkeys(i.split("::", 1)[0] for i in ids)), ["-p", "tools._own_tests_plugin"]
     start = time.monotonic()
-    proc = subprocess.run(
-        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_jobs(jobs), *tests],
-        cwd=scratch, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="torch-overlay-own-") as tmp:
+        if own:
+            Path(tmp, "select.json").write_text(json.dumps(ids))
+            env.update({SELECT_ENV: str(Path(tmp, "select.json")), REPORT_ENV: tmp})
+        proc = subprocess.run(
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select, *pytest_jobs(jobs), *tests],
+            cwd=scratch, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        reports = [json.loads(f.read_text()) for f in Path(tmp).glob("[0-9]*.json")]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     summary = (
         f"{lines[-1].strip('= ') if lines else f'exit status {proc.returncode}'}, {time.monotonic() - start:.0f} s"
     )
-    if proc.returncode != 0:
+    # NOTE: pytest exits 5 when every selected test is deselected here (an accelerator-only class).
+    ok = proc.returncode == 0 or (own and proc.returncode == 5 and bool(reports))
+    if own and reports:
+        unmatched = sorted(set.intersection(*(set(r["unmatched"]) for r in reports)))
+        summary += "".join(f"\nnot collected here (deselected, or absent): {i}" for i in unmatched)
+    if own:
+        summary += "".join(absent)
+    if not ok:
         summary += "".join(f"\n{line}" for line in failure_lines(proc.stdout))
-    return PrefixResult(prefix, None, imported, modules, summary, proc.returncode == 0)
+    return PrefixResult(prefix, None, imported, modules, summary, ok)
+
+
+def own_test_files(entry: StackPatch) -> list[str]:
+    """The test files (``test/**/test_*.py``) patch ``entry``'s diff adds or changes."""
+    diff = split_patch(entry.file.read_text(encoding="utf-8"))[1]
+    return [p for p in file_hunks(diff) if p.startswith("test/") and re.fullmatch(r"test_.*\.py", Path(p).name)]
+
+
+def own_test_ids(entry: StackPatch, files: dict[str, bytes]) -> list[str]:
+    """The node ids of patch ``entry``'s own tests (:mod:`tools.own_tests`), in ``files`` (its prefix's): each
+    test file it adds whole (its ``tests``), and in each other test file its diff changes, the tests it adds or
+    changes (a file ``files`` lacks, an upstream test file this repository does not hold, is left out)."""
+    ids = []
+    for path, hunks in file_hunks(split_patch(entry.file.read_text(encoding="utf-8"))[1]).items():
+        if path not in own_test_files(entry) or path not in files:
+            continue
+        if path in entry.patch.tests:
+            ids.append(path)
+        else:
+            ids += changed_tests(path, files[path], *changed_lines(hunks))
+    return ids
 
 
 def pytest_jobs(jobs: int) -> list[str]:
@@ -364,10 +423,11 @@ def failure_lines(output: str, limit: int = 8) -> list[str]:
 
 def check_stack(
     project: Project, base: Base, pristine_files: dict[str, bytes], import_only: bool,
-    report: Callable[[str], None] = print, test_last: bool = False, jobs: int = 1,
+    report: Callable[[str], None] = print, test_last: bool = False, jobs: int = 1, own_tests: bool = False,
 ) -> list[PrefixResult]:  # fmt: skip
     """Check every prefix of the base's series, reporting one line per prefix as it goes; ``test_last``: run the
-    tests at the last prefix only (every prefix is still applied and imported); ``jobs``: pytest workers."""
+    tests at the last prefix only (every prefix is still applied and imported); ``own_tests``: run, at each
+    prefix, the tests of its last patch only (:func:`own_test_ids`); ``jobs``: pytest workers."""
     results = []
     last = len(stack(project, base.version))
     with tempfile.TemporaryDirectory(prefix="torch-overlay-stack-") as tmp:
@@ -377,10 +437,36 @@ def check_stack(
                 result = PrefixResult(prefix, prefix.error)
             else:
                 untested = import_only or (test_last and prefix.entry.number != last)
-                result = check_prefix(project, scratch, prefix, pristine_files, untested, base, jobs=jobs)
+                result = check_prefix(
+                    project, scratch, prefix, pristine_files, untested, base, jobs=jobs, own=own_tests
+                )
             results.append(result)
             report(result.line())
     return results
+
+
+def series_lint(project: Project, base_files: dict[str, bytes], python: str = sys.executable) -> list[Finding]:
+    """The lint findings of the lines every patch of the upstream series adds (:mod:`tools.stack_lint`), each
+    patch read at its prefix: ``base_files`` (the newest base's pristine files, which the series is generated
+    on) with patches 1..k applied, and the upstream test files as the prefix leaves them."""
+    entries = stack(project)
+    editors = {
+        path: tuple(e.patch.name for e in entries if path in e.patch.upstream_test_edits)
+        for entry in entries
+        for path in entry.patch.upstream_test_edits
+    }
+    excludes = [f"--exclude={path}" for path in editors]
+    tree, files = dict(base_files), []
+    for k, entry in enumerate(entries, 1):
+        try:
+            tree = apply_series(tree, [entry.file], excludes)
+        except PatchApplyError as e:
+            raise StackError(f"{e.patch.name} does not apply to the newest base's files: {e.stderr}") from e
+        applied = {e.patch.name for e in entries[:k]}
+        edited = {p: upstream_test_at(project, p, names, applied) for p, names in editors.items()}
+        view = {**tree, **{p: c for p, c in edited.items() if c is not None}}
+        files += patch_files(entry.file.name, split_patch(entry.file.read_text(encoding="utf-8"))[1], view)
+    return lint(files, upstream_formatted(project), python)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,8 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     tests.add_argument(
         "--test-last", action="store_true", help="apply and import every prefix; run every patch's tests at the last"
     )
+    tests.add_argument(
+        "--own-tests",
+        action="store_true",
+        help="apply and import every prefix; run the tests its last patch adds or changes (CI)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="pytest workers for the tests (pytest-xdist)")
-    parser.add_argument("--rules-only", action="store_true", help="check the stack rules only")
+    parser.add_argument("--rules-only", action="store_true", help="check the stack rules and the lint only")
     parser.add_argument("--table", action="store_true", help="print docs/patches.md's stack table (markdown) and exit")
     parser.add_argument(
         "--wheel", type=Path, action="append", default=[], help="a torch wheel or site-packages-like directory"
@@ -403,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.table:
             print(stack_table(project))
             return 0
+        found = pristine(project, args.wheel)
         if not args.rules_only:
             try:
                 base = check_base().matched
@@ -410,19 +502,26 @@ def main(argv: list[str] | None = None) -> int:
                 raise StackError(str(e)) from e
             if base is None:
                 raise StackError("the installed torch is not a base; run it in a base venv (make TORCH=<version>)")
-            files = pristine(project, args.wheel).files(base)
+            files = found.files(base)
             start = time.monotonic()
             print(f"check-stack: torch {base.version}, every prefix of its series")
-            results = check_stack(project, base, files, args.import_only, test_last=args.test_last, jobs=args.jobs)
+            results = check_stack(
+                project, base, files, args.import_only, test_last=args.test_last, jobs=args.jobs,
+                own_tests=args.own_tests,
+            )  # fmt: skip
             bad = [r for r in results if not r.ok]
             failed = bool(bad)
             what = "applied, imported and tested (each with the tests of every patch applied)"
-            if args.import_only or args.test_last:
+            if args.own_tests:
+                what = "applied, imported and tested (each with the tests its last patch adds or changes)"
+            elif args.import_only or args.test_last:
                 what = "applied and imported" + (", the last tested with every patch's tests" if args.test_last else "")
             verdict = f"{len(bad)} of {len(results)} prefixes FAILED" if bad else f"all {len(results)} prefixes {what}"
             print(f"check-stack: torch {base.version}: {verdict} ({time.monotonic() - start:.0f} s)")
         problems = rule_violations(project)
-    except (StackError, BaseSourceError) as e:
+        start = time.monotonic()
+        findings = series_lint(project, found.files(project.manifest().bases[-1]))
+    except (StackError, BaseSourceError, LintError) as e:
         print(f"make check-stack: {e}", file=sys.stderr)
         return 1
     for problem in problems:
@@ -434,7 +533,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print("check-stack: every patch of the upstream series meets the stack rules")
-    return 1 if failed or problems else 0
+    for finding in findings:
+        print(f"lint: {finding}")
+    took = f"{time.monotonic() - start:.0f} s"
+    if findings:
+        print(f"check-stack: {len(findings)} lint findings on the lines the patches add ({took}; docs/patches.md)")
+    else:
+        print(f"check-stack: the lines every patch adds are lint-clean (flake8 E, F, W; {took})")
+    return 1 if failed or problems or findings else 0
 
 
 if __name__ == "__main__":

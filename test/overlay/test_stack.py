@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import textwrap
 import unittest
@@ -12,7 +16,15 @@ from pathlib import Path
 from unittest import mock
 
 import expecttest
-from _patch_project import BASE, GAMMA, SHARED_MID, SHARED_NEW, add_new_module, make_project, share_upstream_edit
+from _patch_project import (
+    BASE,
+    GAMMA,
+    SHARED_MID,
+    SHARED_NEW,
+    add_new_module,
+    make_project,
+    share_upstream_edit,
+)
 
 from tools.check_stack import (
     Prefix,
@@ -20,21 +32,26 @@ from tools.check_stack import (
     check_prefix,
     check_stack,
     failure_lines,
+    own_test_files,
+    own_test_ids,
     prefix_red_list,
     prefix_tests,
     prefixes,
     rule_violations,
     scratch_project,
+    series_lint,
     serve,
     stack,
     stack_table,
     upstream_tests,
 )
+from tools.own_tests import REPORT_ENV, SELECT_ENV, changed_lines, changed_tests, matches
 from tools.patches import commit_message, generate, write
 from tools.pristine import pristine
 from tools.project import default_project
 from tools.series import Patch
-from tools.stack_rules import Reversion, diff_stats, reversions, violations
+from tools.stack_lint import LintFile, lint
+from tools.stack_rules import Reversion, diff_stats, file_hunks, reversions, violations
 from torch_overlay._guard import check_base
 
 GOOD = Patch(
@@ -196,6 +213,205 @@ NotImplementedError: writeback=True and rank0_only=True is not supported yet""",
         )
 
 
+OLD_TESTS = """\
+import torch
+
+
+def helper():
+    return 1
+
+
+def unused_helper():
+    return 0
+
+
+def test_plain():
+    assert helper() == 1
+
+
+def test_other():
+    assert torch.full((1,), 2).sum() == 2
+
+
+class TestThings(Base):
+    world_size = 2
+
+    def setUp(self):
+        super().setUp()
+
+    def _model(self):
+        return 3
+
+    def test_model(self):
+        self.assertEqual(self._model(), 3)
+
+    def test_alone(self):
+        self.assertTrue(True)
+
+
+if __name__ == "__main__":
+    run_tests()
+"""
+
+
+def _changed(new: str, old: str = OLD_TESTS) -> list[str]:
+    """The node ids :func:`changed_tests` selects in ``new`` for the diff from ``old``."""
+    hunks = file_hunks(_udiff("test/t.py", old.splitlines(), new.splitlines()))["test/t.py"]
+    return changed_tests("test/t.py", new, *changed_lines(hunks))
+
+
+class TestOwnTests(unittest.TestCase):
+    def test_the_tests_a_diff_adds_or_changes(self) -> None:
+        """A test's own lines select it; a class's header or set-up, the class; a helper, the tests that name it
+        (bare names and ``self.x``, not other attributes: ``torch.full`` is not the helper ``full``)."""
+        cases = {
+            "assert helper() == 1": ("assert helper() == 1  # changed", ["test/t.py::test_plain"]),
+            "return 1": ("return 2", ["test/t.py::test_plain"]),
+            "return 3": ("return 4", ["test/t.py::TestThings::test_model"]),
+            "world_size = 2": ("world_size = 4", ["test/t.py::TestThings"]),
+            "super().setUp()": ("super().setUp()\n        self.x = 1", ["test/t.py::TestThings"]),
+            "class TestThings(Base):": ("class TestThings(Other):", ["test/t.py::TestThings"]),
+            "import torch": ("import torch\nimport os", []),
+            "return 0": ("return -1", []),  # a helper no test uses
+            "        self.assertTrue(True)\n": ("        self.assertTrue(True)\n\n    def test_new(self):\n"
+                                               "        pass\n", ["test/t.py::TestThings::test_new"]),
+        }  # fmt: skip
+        for old, (new, expected) in cases.items():
+            self.assertEqual(_changed(OLD_TESTS.replace(old, new, 1)), expected, new)
+        full = OLD_TESTS.replace("def unused_helper", "def full").replace("return 0", "return -1")
+        self.assertEqual(_changed(full, OLD_TESTS.replace("def unused_helper", "def full")), [])
+        # A removal inside a test selects it; a test removed whole selects nothing left.
+        self.assertEqual(
+            _changed(OLD_TESTS.replace("        super().setUp()\n", "        pass\n")), ["test/t.py::TestThings"]
+        )
+        removed = OLD_TESTS.replace("    def test_alone(self):\n        self.assertTrue(True)\n\n", "")
+        self.assertEqual(_changed(removed), [])
+
+    def test_matches_by_qualname_class_and_file(self) -> None:
+        class Base:
+            def test_a(self) -> None: ...
+
+        class Sub(Base):
+            pass
+
+        def item(nodeid: str, cls: type | None, obj: object) -> object:
+            return mock.Mock(nodeid=nodeid, cls=cls, obj=obj)
+
+        inherited = item("test/t.py::Sub::test_a", Sub, Base.test_a)
+        param = item("test/t.py::test_f[1]", None, mock.Mock(__qualname__="test_f"))
+        local_qualname = Base.test_a.__qualname__  # "<locals>" in it: match the one a real file's test has
+        self.assertTrue(matches(inherited, "test/t.py::Base"))
+        self.assertTrue(matches(inherited, "test/t.py::Sub"))
+        self.assertTrue(matches(inherited, "test/t.py::" + local_qualname.replace(".", "::")))
+        self.assertTrue(matches(param, "test/t.py::test_f"))
+        self.assertTrue(matches(param, "test/t.py"))
+        self.assertFalse(matches(param, "test/u.py"))
+        self.assertFalse(matches(param, "test/t.py::test_g"))
+        self.assertFalse(matches(inherited, "test/t.py::Other"))
+
+    def test_the_plugin_runs_the_selected_tests_only(self) -> None:
+        """pytest with the plugin, on a file of parametrized and inherited tests: the selected ones run, the
+        ids that match nothing are reported."""
+        source = textwrap.dedent(
+            """\
+            import pytest
+
+            @pytest.mark.parametrize("x", [1, 2])
+            def test_param(x):
+                pass
+
+            def test_other():
+                pass
+
+            class TestBase:
+                def test_inherited(self):
+                    pass
+
+            class TestSub(TestBase):
+                def test_own(self):
+                    pass
+            """
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            Path(tmp, "test_file.py").write_text(source)
+            Path(tmp, "pytest.ini").write_text("[pytest]\n")
+            ids = ["test_file.py::test_param", "test_file.py::TestBase::test_inherited", "test_file.py::test_gone"]
+            Path(tmp, "select.json").write_text(json.dumps(ids))
+            env = dict(os.environ, PYTHONPATH=str(default_project().root), **{SELECT_ENV: f"{tmp}/select.json"})
+            env[REPORT_ENV] = tmp
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tools._own_tests_plugin",
+                 "-rA", "test_file.py"],
+                cwd=tmp, env=env, capture_output=True, text=True,
+            )  # fmt: skip
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            (report,) = [json.loads(f.read_text()) for f in Path(tmp).glob("[0-9]*.json")]
+        self.assertEqual(
+            report["kept"],
+            [
+                "test_file.py::test_param[1]",
+                "test_file.py::test_param[2]",
+                "test_file.py::TestBase::test_inherited",
+                "test_file.py::TestSub::test_inherited",
+            ],
+        )
+        self.assertEqual(report["unmatched"], ["test_file.py::test_gone"])
+
+
+class TestLint(unittest.TestCase):
+    def test_only_the_added_lines_count(self) -> None:
+        """flake8 at the file's columns: a pre-existing finding does not count, one on an added line does; the
+        blank-line checks count where the patch added the blank run before the line; F401 of a multi-line
+        import counts where the patch added the name's line; an undefined name at the prefix counts."""
+        torch_file = textwrap.dedent(
+            """\
+            import os
+            import sys
+            from collections import (
+                OrderedDict,
+                defaultdict,
+            )
+
+
+            def f():
+                return Later + 1
+            x = 1  # {}
+            """
+        ).format("y" * 115)
+        test_file = textwrap.dedent(
+            """\
+            def test_a():
+                assert "{}"
+
+            if __name__ == "__main__":
+                test_a()
+            """
+        ).format("z" * 80)
+        files = [
+            # The patch adds `import sys`, `defaultdict,`, and the last two lines.
+            LintFile("0001-a.patch", "torch/a.py", torch_file.encode(), frozenset({2, 5, 10, 11})),
+            # The patch adds the test (and the one blank line after it); same file, kept upstream's formatting.
+            LintFile("0002-b.patch", "test/t.py", test_file.encode(), frozenset({1, 2, 3})),
+            LintFile("0002-b.patch", "test/u.py", test_file.encode(), frozenset({1, 2, 3})),
+        ]
+        found = [f"{f.patch} {f.path}:{f.line} {f.code}" for f in lint(files, {"test/u.py"})]
+        self.assertEqual(
+            found,
+            [
+                "0001-a.patch torch/a.py:2 F401",
+                "0001-a.patch torch/a.py:3 F401",  # defaultdict, on the added line 5
+                "0001-a.patch torch/a.py:10 F821",
+                "0001-a.patch torch/a.py:11 E305",
+                "0001-a.patch torch/a.py:11 E501",
+                "0002-b.patch test/t.py:2 E501",  # 88 columns
+                "0002-b.patch test/t.py:4 E305",
+                "0002-b.patch test/u.py:4 E305",  # 120 columns: no E501
+            ],
+        )
+        # `import os` (line 1) and `OrderedDict` (line 4) are unused too, but not on added lines.
+        self.assertNotIn("0001-a.patch torch/a.py:1 F401", found)
+
+
 class TestStackOnSyntheticProject(expecttest.TestCase):
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
@@ -287,6 +503,58 @@ class TestStackOnSyntheticProject(expecttest.TestCase):
         self.assertEqual([upstream in prefix_tests(p, self.project.root) for p in found], [True, True, True])
         versions = [upstream_tests(self.project, p) for p in found]
         self.assertEqual(versions, [{upstream: SHARED_MID.encode()}] + [{upstream: SHARED_NEW.encode()}] * 2)
+
+    def test_own_tests_of_each_prefix(self) -> None:
+        """--own-tests: a prefix runs its last patch's tests only: the files it adds whole, and in an upstream
+        test file it edits, the tests its diff changes, at the prefix's version of the file."""
+        base = self.project.manifest().base("9.8.0")
+
+        def own(found: list[Prefix]) -> list[list[str]]:
+            return [own_test_ids(p.entry, {**p.files, **upstream_tests(self.project, p)}) for p in found]
+
+        found = list(prefixes(self.project, base, self.found.files(base)))
+        upstream = "test/fake/test_upstream.py"
+        self.assertEqual(sorted(own_test_files(found[1].entry)), ["test/fake/test_two.py", upstream])
+        self.assertEqual(own_test_ids(found[1].entry, {}), [])  # files the prefix lacks are left out
+        self.assertEqual(
+            own(found),
+            [["test/fake/test_one.py"], ["test/fake/test_two.py", f"{upstream}::test_a"], ["test/fake/test_three.py"]],
+        )
+        share_upstream_edit(self.project, self.tmp)  # both patches edit it: test_a, then test_z
+        write(self.project, generate(self.project, self.found))
+        found = list(prefixes(self.project, base, self.found.files(base)))
+        self.assertEqual(
+            own(found)[:2],
+            [["test/fake/test_one.py", f"{upstream}::test_a"], ["test/fake/test_two.py", f"{upstream}::test_z"]],
+        )
+
+    def test_own_tests_mode_reaches_every_prefix(self) -> None:
+        base = self.project.manifest().base("9.8.0")
+        with mock.patch("tools.check_stack.check_prefix", return_value=mock.Mock()) as check:
+            check_stack(self.project, base, self.found.files(base), False, lambda _: None, own_tests=True)
+        self.assertEqual([(c.args[4], c.kwargs["own"]) for c in check.call_args_list], [(False, True)] * 3)
+
+    def test_the_lint_reads_each_patch_at_its_prefix(self) -> None:
+        """Each patch of the upstream series is linted on the newest base's files with patches 1..k applied (an
+        upstream test file as the prefix leaves it), on the lines its diff adds."""
+        share_upstream_edit(self.project, self.tmp)
+        write(self.project, generate(self.project, self.found))
+        with mock.patch("tools.check_stack.lint", return_value=[]) as lint_:
+            self.assertEqual(series_lint(self.project, self.found.files(self.project.manifest().bases[-1])), [])
+        files = {(f.patch[:4], f.path): f for f in lint_.call_args.args[0]}
+        upstream = "test/fake/test_upstream.py"
+        self.assertEqual(sorted(files), [
+            ("0001", "test/fake/test_one.py"), ("0001", upstream), ("0001", "torch/fake/alpha.py"),
+            ("0002", "test/fake/test_two.py"), ("0002", upstream), ("0002", "torch/fake/alpha.py"),
+            ("0002", "torch/fake/beta.py"),
+        ])  # fmt: skip
+        alpha = files["0001", "torch/fake/alpha.py"]
+        self.assertEqual((b"line 3 fixed" in alpha.content, b"15 extended" in alpha.content), (True, False))
+        self.assertEqual(alpha.added, {3})
+        self.assertEqual(files["0001", upstream].content, SHARED_MID.encode())
+        self.assertEqual(files["0002", upstream].content, SHARED_NEW.encode())
+        self.assertEqual(files["0002", upstream].added, {SHARED_NEW.splitlines().index("    assert 3") + 1})
+        self.assertEqual(files["0001", "test/fake/test_one.py"].added, {1, 2})
 
     def test_a_prefix_red_list_leaves_out_the_tests_a_later_patch_adds(self) -> None:
         red = "# comment\ntest/a.py::T::test_one one\ntest/a.py::T::test_two two\ntest/b.py::test_three three\n"

@@ -57,12 +57,12 @@ def _group_tensors_by_device_and_dtype(
     if len(_foreach_supported_types) == 1:  # no subclass takes foreach calls
         return grouped
     # The first tensorlist decides: the parameters, whose gradients and states are
-    # tensors of their own type.
-    types = set(map(type, tensorlistlist[0]))
-    wrappers = types.intersection(
-        filter(is_traceable_wrapper_subclass_type, _foreach_supported_types)
-    )
-    if not wrappers or len(types) == 1:
+    # tensors of their own type. One look at the type of each, in C, that stops at the
+    # first wrapper subclass: a tensorlist without one is the C++ grouping alone.
+    wrappers = set(filter(is_traceable_wrapper_subclass_type, _foreach_supported_types))
+    if wrappers.isdisjoint(map(type, tensorlistlist[0])):
+        return grouped
+    if len(set(map(type, tensorlistlist[0]))) == 1:  # all of one wrapper subclass
         return grouped
     split: dict[tuple[torch.device, torch.dtype], tuple[TensorListList, Indices]] = {}
     for key, (tensorlists, indices) in grouped.items():
