@@ -797,7 +797,6 @@ class TestUnshardParamsErrors(TestUnshardParamsBase):
                 self.assertEqual(flat_param, torch.zeros_like(flat_param))
 
 
-
 class TestUnshardOffloadWarning(TestCase):
     def test_offload_to_cpu_warning_text(self):
         """
@@ -1846,6 +1845,7 @@ class TestUnshardRank0WritebackGradsHybrid(_Rank0GatherTest):
         self.run_subtests(
             config, self._test_hybrid_shard, device_mesh=mesh, with_grads=True
         )
+
 
 if __name__ == "__main__":
     run_tests()
