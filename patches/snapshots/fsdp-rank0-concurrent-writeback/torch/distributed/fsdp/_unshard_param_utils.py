@@ -88,10 +88,10 @@ def _writeback_to_local_shard(
 #   body.
 # - Exit, once all states exited (each, with ``offload_to_cpu`` on an
 #   accelerator): each rank allocates what it receives into, then the ranks
-#   agree. If none failed, the source scatters the parameters of all states
-#   concurrently. Else only ``NO_SHARD``'s parameter moves: the source
-#   broadcasts its values from before. Once all finished, each state frees its
-#   unsharded copy.
+#   agree. If none failed, the source starts the scatters of the parameters of
+#   all states before waiting for any. Else only ``NO_SHARD``'s parameter
+#   moves: the source broadcasts its values from before. Once all finished,
+#   each state frees its unsharded copy.
 
 
 def _run_all(fns) -> None:
@@ -524,7 +524,7 @@ def _unshard_params(
     rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
         if rank0_writeback is not None:
-            # Exits last: the states' writebacks run concurrently
+            # Exits last: every state's writeback, once all states exited
             stack.callback(rank0_writeback.finish)
         for state, module in zip(*states_and_modules):
             stack.enter_context(

@@ -524,7 +524,7 @@ def _unshard_params(
     rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
         if rank0_writeback is not None:
-            # Exits last: the states' writebacks run concurrently
+            # Exits last: every state's writeback, once all states exited
             stack.callback(rank0_writeback.finish)
         for state, module in zip(*states_and_modules):
             stack.enter_context(
