@@ -797,7 +797,6 @@ class TestUnshardParamsErrors(TestUnshardParamsBase):
                 self.assertEqual(flat_param, torch.zeros_like(flat_param))
 
 
-
 class TestUnshardOffloadWarning(TestCase):
     def test_offload_to_cpu_warning_text(self):
         """
@@ -1399,6 +1398,54 @@ class _Rank0WritebackTest(FSDPUnshardTest):
         dist.all_reduce(zeros := zeros.to(self.device), op=dist.ReduceOp.MIN)
         self.assertTrue(zeros.item(), f"rank {self.rank}: paddings {paddings}")
 
+    def _test_allocate_at_most_a_shard(self, with_grads: bool, **kwargs) -> None:
+        """No allocation on the other ranks exceeds a shard; one unit dwarfs others."""
+        torch.manual_seed(0)
+        model = self._wrap(
+            nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3)), **kwargs
+        )
+        if with_grads:
+            model(torch.randn(2, 256, device=self.device)).sum().backward()
+        # Lazy initialization allocates on its own: keep it out of the measurement
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            pass
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+        with profile(activities=activities, profile_memory=True) as prof:
+            with _summon_rank0(model, with_grads=with_grads):
+                if self.rank == 0:
+                    _edit(list(model.parameters()), with_grads)
+        usage = "cpu" if self.device.type == "cpu" else "device"
+        events = [e for e in prof.events() if e.name == "[memory]"]
+        largest = max([getattr(e, f"{usage}_memory_usage") for e in events] + [0])
+        handles = [m._handle for m in FSDP.fsdp_modules(model)]
+        itemsize = handles[0].flat_param.element_size()
+        shard = max(h.flat_param._local_shard.numel() for h in handles) * itemsize
+        full = max(h.flat_param._padded_unsharded_size.numel() for h in handles)
+        if self.rank == 0:
+            self.assertGreaterEqual(largest, full * itemsize)
+        else:
+            self.assertLessEqual(largest, shard, f"rank {self.rank} (full: {full})")
+
+    def _test_hybrid_shard(self, with_grads: bool, **kwargs) -> None:
+        # Rank 2, rank 0 of the other replica, must not keep a full copy either
+        self._test_rank0_writeback(with_grads, offload_to_cpu=True, **kwargs)
+        # Nor allocate one: only rank 0's replica gathers, to rank 0
+        self._test_allocate_at_most_a_shard(with_grads, **kwargs)
+
+    def _test_needs_unshard_on_one_rank(self, free_rank: int) -> None:
+        """A forward leaves the units unsharded (``SHARD_GRAD_OP``) but on ``free_rank``:
+        only it needs to unshard, yet every rank gathers, as the ranks agreed."""
+        model, reference = self._models(False, sharding_strategy=GRAD_OP)
+        with torch.no_grad():
+            model(batch().to(self.device))
+        handles = [m._handle for m in FSDP.fsdp_modules(model)]
+        self.assertFalse(any(h.needs_unshard() for h in handles))
+        if self.rank == free_rank:
+            for m in FSDP.fsdp_modules(model):
+                unshard_param_utils._reshard(m, m._handle, True)
+        self._check_writeback(model, reference, with_grads=False)
+
 
 class TestUnshardRank0Writeback(_Rank0WritebackTest):
     """``summon_full_params(writeback=True, rank0_only=True)`` on two ranks."""
@@ -1425,6 +1472,13 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
     def test_rank0_writeback_rank0_allocation_fails(self):
         config = {"sharding_strategy": [FULL, GRAD_OP], "fail_at": [0, 1]}
         self.run_subtests(config, self._test_rank0_allocation_fails, with_grads=False)
+
+    def test_rank0_writeback_other_ranks_allocate_at_most_a_shard(self):
+        config = {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH}
+        self.run_subtests(config, self._test_allocate_at_most_a_shard, with_grads=False)
+
+    def test_rank0_writeback_needs_unshard_on_one_rank(self):
+        self.run_subtests({"free_rank": [0, 1]}, self._test_needs_unshard_on_one_rank)
 
     def test_rank0_writeback_single_state(self):
         """``_unshard_fsdp_state_params()`` (state-dict paths) writes back one state."""
@@ -1463,6 +1517,22 @@ class TestUnshardRank0Writeback(_Rank0WritebackTest):
         self._check_writeback(model, reference, with_grads=False)
 
 
+class TestUnshardRank0WritebackHybrid(_Rank0WritebackTest):
+    """
+    Hybrid sharding on a 2 x 2 mesh: only rank 0's replica gathers, to rank 0, and
+    every replica gets rank 0's edits.
+    """
+
+    world_size = 4
+
+    def test_rank0_writeback_hybrid_shard(self):
+        mesh = init_device_mesh(self.device.type, (2, 2))
+        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
+        self.run_subtests(
+            config, self._test_hybrid_shard, device_mesh=mesh, with_grads=False
+        )
+
+
 class Injected(Exception):
     """A failure forced on one rank."""
 
@@ -1493,7 +1563,7 @@ def _fail_once(point, owner, name: str, after: bool, fired: list):
     return mock.patch.object(owner, name, failing)
 
 
-class _Rank0GatherTest(_Rank0WritebackTest):
+class _Rank0FailureTest(_Rank0WritebackTest):
     # Where a rank fails, in order: (owner, attribute, fails after running, the
     # ranks that reach it)
     points = {
@@ -1561,41 +1631,6 @@ class _Rank0GatherTest(_Rank0WritebackTest):
         self._check_full(model, reference, with_grads)
         self._check_writeback(model, reference, with_grads)
 
-    def _test_allocate_at_most_a_shard(self, with_grads: bool, **kwargs) -> None:
-        """No allocation on the other ranks exceeds a shard; one unit dwarfs others."""
-        torch.manual_seed(0)
-        model = self._wrap(
-            nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3)), **kwargs
-        )
-        if with_grads:
-            model(torch.randn(2, 256, device=self.device)).sum().backward()
-        # Lazy initialization allocates on its own: keep it out of the measurement
-        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
-            pass
-        cuda = self.device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
-        with profile(activities=activities, profile_memory=True) as prof:
-            with _summon_rank0(model, with_grads=with_grads):
-                if self.rank == 0:
-                    _edit(list(model.parameters()), with_grads)
-        usage = "cpu" if self.device.type == "cpu" else "device"
-        events = [e for e in prof.events() if e.name == "[memory]"]
-        largest = max([getattr(e, f"{usage}_memory_usage") for e in events] + [0])
-        handles = [m._handle for m in FSDP.fsdp_modules(model)]
-        itemsize = handles[0].flat_param.element_size()
-        shard = max(h.flat_param._local_shard.numel() for h in handles) * itemsize
-        full = max(h.flat_param._padded_unsharded_size.numel() for h in handles)
-        if self.rank == 0:
-            self.assertGreaterEqual(largest, full * itemsize)
-        else:
-            self.assertLessEqual(largest, shard, f"rank {self.rank} (full: {full})")
-
-    def _test_hybrid_shard(self, with_grads: bool, **kwargs) -> None:
-        # Rank 2, rank 0 of the other replica, must not keep a full copy either
-        self._test_rank0_writeback(with_grads, offload_to_cpu=True, **kwargs)
-        # Nor allocate one: only rank 0's replica gathers, to rank 0
-        self._test_allocate_at_most_a_shard(with_grads, **kwargs)
-
     def _test_collectives(self, fail, with_grads: bool) -> None:
         """
         Every unit's scatter starts before any is waited for, and the units are freed
@@ -1641,17 +1676,13 @@ class _Rank0GatherTest(_Rank0WritebackTest):
         self._check_full(model, reference, with_grads)
 
 
-class TestUnshardRank0Gather(_Rank0GatherTest):
+class TestUnshardRank0WritebackFailures(_Rank0FailureTest):
     """
-    ``summon_full_params(writeback=True, rank0_only=True)`` on two ranks: only rank 0
-    allocates the unsharded parameters, and the units' writebacks run concurrently.
+    ``summon_full_params(writeback=True, rank0_only=True)`` on two ranks: the units'
+    writebacks run concurrently, and a failure anywhere leaves no rank waiting.
     """
 
     world_size = 2
-
-    def test_rank0_writeback_other_ranks_allocate_at_most_a_shard(self):
-        config = {"sharding_strategy": [FULL, GRAD_OP], "use_orig_params": BOTH}
-        self.run_subtests(config, self._test_allocate_at_most_a_shard, with_grads=False)
 
     def test_rank0_writeback_failure(self):
         """
@@ -1665,23 +1696,7 @@ class TestUnshardRank0Gather(_Rank0GatherTest):
         self.run_subtests(config, self._test_collectives, with_grads=False)
 
 
-class TestUnshardRank0GatherHybrid(_Rank0GatherTest):
-    """
-    Hybrid sharding on a 2 x 2 mesh: only rank 0's replica gathers, to rank 0, and
-    every replica gets rank 0's edits.
-    """
-
-    world_size = 4
-
-    def test_rank0_writeback_hybrid_shard(self):
-        mesh = init_device_mesh(self.device.type, (2, 2))
-        config = {"sharding_strategy": HYBRID, "use_orig_params": BOTH}
-        self.run_subtests(
-            config, self._test_hybrid_shard, device_mesh=mesh, with_grads=False
-        )
-
-
-class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
+class TestUnshardRank0WritebackGrads(_Rank0FailureTest):
     """
     ``summon_full_params(writeback=True, rank0_only=True, with_grads=True)`` on two
     ranks: rank 0's changes to the gradients reach every rank too.
@@ -1689,11 +1704,11 @@ class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
 
     world_size = 2
     points = {
-        **_Rank0GatherTest.points,
+        **_Rank0FailureTest.points,
         "grad_views": (FlatParamHandle, "_use_unsharded_grad_views", False, (0,)),
         "grad_free": (unshard_param_utils, "_reshard_grads", True, (0, 1)),
     }
-    after_agreement = (*_Rank0GatherTest.after_agreement, "grad_free")
+    after_agreement = (*_Rank0FailureTest.after_agreement, "grad_free")
 
     def test_rank0_writeback_grads(self):
         """Rank 0's edits reach every rank, and training goes on from there."""
@@ -1835,7 +1850,7 @@ class TestUnshardRank0WritebackGrads(_Rank0GatherTest):
         self.run_subtests(config, self._test_collectives, with_grads=True)
 
 
-class TestUnshardRank0WritebackGradsHybrid(_Rank0GatherTest):
+class TestUnshardRank0WritebackGradsHybrid(_Rank0WritebackTest):
     """Hybrid sharding on a 2 x 2 mesh: every replica gets rank 0's gradients."""
 
     world_size = 4
@@ -1846,6 +1861,7 @@ class TestUnshardRank0WritebackGradsHybrid(_Rank0GatherTest):
         self.run_subtests(
             config, self._test_hybrid_shard, device_mesh=mesh, with_grads=True
         )
+
 
 if __name__ == "__main__":
     run_tests()

@@ -78,19 +78,24 @@ def _writeback_to_local_shard(
 # NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
 # source is global rank 0. The ranks run the same collectives in the same
 # order, even when one fails. Each agreement is one all-reduce of the same
-# flags (a rank failed, has a gradient, has one in another dtype), so that a
-# rank that fails after one, and agrees upon exit, meets the others' next one;
-# once one says a rank failed, no rank agrees again.
+# flags (see ``agree()``), so that a rank that fails after one, and agrees
+# upon exit, meets the others' next one; once one says a rank failed, no rank
+# agrees again.
 # - Entry, per state: each rank does what may fail (the source allocates the
-#   unsharded parameter and gradient; ``NO_SHARD``: copies them, to restore or
-#   to edit), then the ranks agree. Then the shards are gathered to the source
-#   only (zeros from a rank without a gradient), which prepares the body.
+#   unsharded parameter; ``NO_SHARD``: copies it, to restore on failure), then
+#   the ranks agree. Then, if any rank needs to unshard (no rank decides
+#   alone), the shards are gathered to the source only, which prepares the
+#   body.
 # - Exit, once all states exited (each, with ``offload_to_cpu`` on an
 #   accelerator): each rank allocates what it receives into, then the ranks
-#   agree. If none failed, the source scatters the parameters, then the
-#   gradients, of all states concurrently. Else only ``NO_SHARD``'s parameter
+#   agree. If none failed, the source starts the scatters of the parameters of
+#   all states before waiting for any. Else only ``NO_SHARD``'s parameter
 #   moves: the source broadcasts its values from before. Once all finished,
-#   each state frees its unsharded copies.
+#   each state frees its unsharded copy.
+# - With ``with_grads=True``, the gradients move with the parameters: the
+#   source also allocates the unsharded gradient (``NO_SHARD``: a copy to
+#   edit); each gradient shard is gathered after the parameter's (zeros from a
+#   rank without one) and scattered after it.
 
 
 def _run_all(fns) -> None:
@@ -113,14 +118,14 @@ class _Rank0Writeback:
         self.ok, self.failed = True, False  # this rank so far; a rank, as agreed
         self.states: list[_Rank0State] = []  # exited, not yet written back
 
-    def agree(self, grad=None, dtype=None) -> bool:
-        """Returns whether any rank has a gradient (see the NOTE)."""
+    def agree(self, gather=False, grad=None, dtype=None) -> tuple[bool, bool]:
+        """Returns whether any rank needs to unshard, has a gradient (see the NOTE)."""
         has = grad is not None
-        flags = [not self.ok, has, has and grad.dtype != dtype]
+        flags = [not self.ok, gather, has, has and grad.dtype != dtype]
         result = torch.tensor(flags, dtype=torch.int32, device=self.device)
         for group in self.groups:  # for hybrid sharding, in the replica, then across
             dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
-        failed, any_grad, other_dtype = result.tolist()
+        failed, any_gather, any_grad, other_dtype = result.tolist()
         self.failed = bool(failed or other_dtype)
         if other_dtype and not failed:
             raise _grad_dtype_error(dtype)
@@ -129,7 +134,7 @@ class _Rank0Writeback:
                 "summon_full_params(writeback=True, rank0_only=True) failed on "
                 "another rank (see its error): nothing was written back"
             )
-        return bool(any_grad)
+        return bool(any_gather), bool(any_grad)
 
     def finish(self) -> None:
         """Writes back (if every rank agrees) and frees the states that exited."""
@@ -160,9 +165,10 @@ class _Rank0State:
         self.replicate_group = groups[1] if len(groups) > 1 else None
         self.is_src = all(dist.get_rank(g) == 0 for g in groups)
         self.sharded = handle.uses_sharded_strategy
-        self.gather, self.grads, self.written = handle.needs_unshard(), False, False
-        self.padded = self.before = self.own = self.send = self.grad = None
-        self.send_buffer = self.buffer = None  # on the device, for CPUOffload
+        self.gather = handle.needs_unshard()
+        self.before = self.buffer = None  # buffer: on the device, for CPUOffload
+        self.grads = self.written = False  # with ``with_grads=True``:
+        self.own = self.send = self.grad = self.send_buffer = None
 
     @torch.no_grad()
     def allocate(self, with_grads: bool) -> None:
@@ -175,7 +181,7 @@ class _Rank0State:
         if self.state.limit_all_gathers and event:
             event.synchronize()
         if self.is_src and self.gather:
-            self.padded = handle._alloc_padded_unsharded_flat_param()
+            handle._alloc_padded_unsharded_flat_param()
         if self.is_src and not self.sharded:
             self.before = flat_param.detach().clone()
         if with_grads:  # zeros from a rank without one, also to receive into
@@ -191,7 +197,10 @@ class _Rank0State:
     @torch.no_grad()
     def unshard(self) -> None:
         handle, flat_param = self.handle, self.handle.flat_param
-        moves = [(flat_param.data, self.padded)] * self.gather
+        # As the ranks agreed: also where this rank's is unsharded already
+        dst = self.is_src and self.gather
+        padded = handle._get_padded_unsharded_flat_param() if dst else None
+        moves = [(flat_param.data, padded)] * self.gather
         if self.grads and self.sharded:
             flat_param._saved_grad_shard = self.own
             moves.append((self.send_buffer, self.grad))
@@ -216,7 +225,8 @@ class _Rank0State:
     @torch.no_grad()
     def write_back(self, works: list, write: bool) -> None:
         """Starts the source's writeback; without ``write``, ``NO_SHARD``'s restore."""
-        handle, flat_param, self.written = self.handle, self.handle.flat_param, write
+        handle, flat_param = self.handle, self.handle.flat_param
+        self.written = write
         if not self.sharded:
             if not write and self.before is not None:
                 flat_param.copy_(self.before)  # the source's values from before
@@ -237,10 +247,12 @@ class _Rank0State:
         works.append(lambda: (work.wait(), buffer is not out and out.copy_(buffer)))
 
     def free(self) -> None:
-        """Frees the copies; a rank without a gradient takes the one it received
-        unless all zeros (rank 0 wrote nothing there: as with rank0_only=False)."""
-        handle, own, written = self.handle, self.own, self.written
-        flat_param = handle.flat_param
+        """
+        Frees the unsharded copy, every rank's (an early free may have failed).
+        A rank without a gradient takes the one it received unless all zeros
+        (rank 0 wrote nothing there: as with rank0_only=False).
+        """
+        own, written, flat_param = self.own, self.written, self.handle.flat_param
         try:
             if self.grads and self.is_src and not self.sharded:
                 # The gradient from before keeps its identity: it gets the copy's
@@ -252,11 +264,11 @@ class _Rank0State:
                 attr = "_saved_grad_shard" if self.sharded else "grad"
                 setattr(flat_param, attr, self.send)
             # Even if allocated before (a forward), so no rank keeps a stale copy
-            _reshard(self.state, handle, self.sharded)
+            _reshard(self.state, self.handle, self.sharded)
             if self.grads:
-                _reshard_grads(handle)
+                _reshard_grads(self.handle)
         finally:
-            handle._training_state = HandleTrainingState.IDLE
+            self.handle._training_state = HandleTrainingState.IDLE
 
 
 @contextlib.contextmanager
@@ -286,7 +298,8 @@ def _unshard_fsdp_state_params_from_rank0(
             call.ok = False
             raise
         finally:
-            s.grads = call.agree(s.own, flat_param._local_shard.dtype)
+            dtype = flat_param._local_shard.dtype
+            s.gather, s.grads = call.agree(s.gather, s.own, dtype)
     except BaseException:
         _reshard(state, handle, s.gather)
         handle._training_state = HandleTrainingState.IDLE
@@ -562,7 +575,7 @@ def _unshard_params(
     rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
         if rank0_writeback is not None:
-            # Exits last: the states' writebacks run concurrently
+            # Exits last: every state's writeback, once all states exited
             stack.callback(rank0_writeback.finish)
         for state, module in zip(*states_and_modules):
             stack.enter_context(

@@ -1,5 +1,6 @@
 # mypy: allow-untyped-defs
 import contextlib
+import functools
 import warnings
 from collections.abc import Generator
 from typing import cast
@@ -74,58 +75,152 @@ def _writeback_to_local_shard(
             existing_grad[: grad_shard.numel()].copy_(grad_shard)
 
 
+# NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
+# source is global rank 0. The ranks run the same collectives in the same
+# order, even when one fails. Each agreement is one all-reduce of the same
+# flags (see ``agree()``), so that a rank that fails after one, and agrees
+# upon exit, meets the others' next one; once one says a rank failed, no rank
+# agrees again.
+# - Entry, per state: each rank does what may fail (the source allocates the
+#   unsharded parameter; ``NO_SHARD``: copies it, to restore on failure), then
+#   the ranks agree. Then, if any rank needs to unshard (no rank decides
+#   alone), the shards are gathered to the source only, which prepares the
+#   body.
+# - Exit, once all states exited (each, with ``offload_to_cpu`` on an
+#   accelerator): each rank allocates what it receives into, then the ranks
+#   agree. If none failed, the source scatters the parameters of each state.
+#   Else only ``NO_SHARD``'s parameter moves: the source broadcasts its values
+#   from before. Then each state frees its unsharded copy.
+
+
+def _run_all(fns) -> None:
+    """Runs each of ``fns``, also after one raised; then raises the first error."""
+    error: Exception | None = None
+    for fn in fns:
+        try:
+            fn()
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
 class _Rank0Writeback:
     """What the FSDP states of one ``summon_full_params()`` call share."""
 
     def __init__(self) -> None:
-        self.group, self.device = None, None  # of the agreements: the first state's
+        self.groups, self.device = (), None  # of the agreements: the first state's
         self.ok, self.failed = True, False  # this rank so far; a rank, as agreed
         self.states: list[_Rank0State] = []  # exited, not yet written back
 
-    def agree(self) -> None:
-        result = torch.tensor([not self.ok], dtype=torch.int32, device=self.device)
-        dist.all_reduce(result, op=dist.ReduceOp.MAX, group=self.group)
-        self.failed = bool(result.item())
+    def agree(self, gather=False) -> bool:
+        """Returns whether any rank needs to unshard (see the NOTE)."""
+        flags = [not self.ok, gather]
+        result = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        for group in self.groups:  # for hybrid sharding, in the replica, then across
+            dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+        failed, any_gather = result.tolist()
+        self.failed = bool(failed)
         if self.failed and self.ok:
             raise RuntimeError(
                 "summon_full_params(writeback=True, rank0_only=True) failed on "
                 "another rank (see its error): nothing was written back"
             )
+        return bool(any_gather)
 
     def finish(self) -> None:
+        """Writes back (if every rank agrees) and frees the states that exited."""
         states, self.states = self.states, []
+        if not states:
+            return
         try:
-            if states and not self.failed:
-                self.agree()
-        finally:
             for s in states:
-                s.write_back(not self.failed)
+                s.prepare_exit()
+        except Exception:
+            self.ok = False
+            raise
+        finally:
+            try:
+                if not self.failed:
+                    self.agree()
+            finally:
+                write = not self.failed
+                _run_all(functools.partial(s.write_back, write) for s in states)
+                _run_all(s.free for s in states)
 
 
 class _Rank0State:
-    """A state's part of a call: its unsharded copy on the source, its writeback."""
+    """A state's part of a call: its unsharded copies on the source, its moves."""
 
-    def __init__(self, state: _FSDPState, handle: FlatParamHandle):
-        self.state, self.handle, self.group = state, handle, state.process_group
-        self.is_src = dist.get_rank(self.group) == 0
-        self.sharded, self.before = handle.uses_sharded_strategy, None
+    def __init__(self, state: _FSDPState, handle: FlatParamHandle, groups: tuple):
+        self.state, self.handle = state, handle
+        self.replicate_group = groups[1] if len(groups) > 1 else None
+        self.is_src = all(dist.get_rank(g) == 0 for g in groups)
+        self.sharded = handle.uses_sharded_strategy
+        self.gather = handle.needs_unshard()
+        self.before = self.buffer = None  # buffer: on the device, for CPUOffload
+
+    @torch.no_grad()
+    def allocate(self) -> None:
+        """What may fail before the entry agreement (see the NOTE)."""
+        handle, flat_param = self.handle, self.handle.flat_param
+        _reset_flat_param_grad_info_if_needed(handle)
+        handle.pre_unshard()
+        # As `_unshard()`, to consume the events that `_reshard()` records
+        event = self.state._free_event_queue.dequeue_if_needed()
+        if self.state.limit_all_gathers and event:
+            event.synchronize()
+        if self.is_src and self.gather:
+            handle._alloc_padded_unsharded_flat_param()
+        if self.is_src and not self.sharded:
+            self.before = flat_param.detach().clone()
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        handle, flat_param = self.handle, self.handle.flat_param
+        # As the ranks agreed: also where this rank's is unsharded already
+        dst = self.is_src and self.gather
+        padded = handle._get_padded_unsharded_flat_param() if dst else None
+        if self.gather:
+            handle.gather_to_rank0(flat_param.data, padded, self.replicate_group)
+        if self.is_src or not self.sharded:
+            handle.unshard()  # only switches to the gathered parameter
+        handle.post_unshard()
+
+    def prepare_exit(self) -> None:
+        """Allocates what this rank receives into, before the exit agreement."""
+        local_shard, device = self.handle.flat_param._local_shard, self.handle.device
+        if self.sharded and local_shard.device != device:  # CPUOffload
+            self.buffer = torch.empty_like(local_shard, device=device)
 
     @torch.no_grad()
     def write_back(self, write: bool) -> None:
-        """Writes back the source's copy (``NO_SHARD``: restores it), then frees."""
+        """The source's writeback; without ``write``, ``NO_SHARD``'s restore."""
         handle, flat_param = self.handle, self.handle.flat_param
+        if not self.sharded:
+            if not write and self.before is not None:
+                flat_param.copy_(self.before)  # the source's values from before
+            self._scatter(None, flat_param.data)
+        elif write:
+            padded = handle._get_padded_unsharded_flat_param() if self.is_src else None
+            self._scatter(padded, flat_param._local_shard, self.buffer)
+
+    def _scatter(self, padded, out: torch.Tensor, buffer=None) -> None:
+        """Writes the source's ``padded`` to each rank's shard ``out``."""
+        buffer = out if buffer is None else buffer
+        self.handle.scatter_from_rank0(padded, buffer, self.replicate_group).wait()
+        if buffer is not out:
+            out.copy_(buffer)
+
+    def free(self) -> None:
+        """
+        Frees the unsharded copy, every rank's (an early free may have failed).
+        """
         try:
-            if not self.sharded:
-                if not write and self.before is not None:
-                    flat_param.copy_(self.before)
-                handle.scatter_from_rank0(None, flat_param.data).wait()
-            elif write:
-                padded = handle._get_padded_unsharded_flat_param() if self.is_src else None
-                handle.scatter_from_rank0(padded, flat_param._local_shard).wait()
             # Even if allocated before (a forward), so no rank keeps a stale copy
-            _reshard(self.state, handle, self.sharded)
+            _reshard(self.state, self.handle, self.sharded)
         finally:
-            handle._training_state = HandleTrainingState.IDLE
+            self.handle._training_state = HandleTrainingState.IDLE
 
 
 @contextlib.contextmanager
@@ -137,40 +232,37 @@ def _unshard_fsdp_state_params_from_rank0(
     call: _Rank0Writeback | None,
 ) -> Generator:
     """
-    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``. The
-    ranks agree whether one failed before each state unshards (once each allocated
-    the unsharded parameter) and once all exited (without a ``call``, this one): a
-    failed rank's exit meets the others' next.
+    ``_unshard_fsdp_state_params()`` for ``writeback=True, rank0_only=True``
+    (see the NOTE). Without a ``call`` of other states, it writes back upon exit.
     """
     own_call, call = call is None, call or _Rank0Writeback()
-    call.group, call.device = call.group or state.process_group, handle.device
-    s, flat_param = _Rank0State(state, handle), handle.flat_param
-    try:
-        if handle.needs_unshard():  # what may fail, before the ranks agree
-            handle._alloc_padded_unsharded_flat_param()
-    except Exception:
-        call.ok = False
-        raise
-    finally:
-        try:
-            call.agree()  # if a rank failed, here or earlier, every rank raises
-        except RuntimeError:
-            _reshard(state, handle, s.sharded)  # frees what this rank allocated
-            raise
+    groups = (state.process_group,)  # for hybrid sharding, then its replicate group
+    if state.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
+        groups += (state._inter_node_pg,)
+    call.groups, call.device = call.groups or groups, call.device or handle.device
+    s, flat_param = _Rank0State(state, handle, groups), handle.flat_param
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    try:  # if a rank fails, every rank raises, before any data moved
+        try:
+            s.allocate()
+        except Exception:
+            call.ok = False
+            raise
+        finally:
+            s.gather = call.agree(s.gather)
+    except BaseException:
+        _reshard(state, handle, s.gather)
+        handle._training_state = HandleTrainingState.IDLE
+        raise
     body_succeeded = False
     try:
-        _reset_flat_param_grad_info_if_needed(handle)
-        stream = state._device_handle.current_stream()
-        _unshard(state, handle, stream, stream)
+        s.unshard()
         if not s.is_src:
             # Free early, even if allocated before (a forward): it would go stale
             _reshard(state, handle, s.sharded)
             yield
         else:
             with contextlib.ExitStack() as stack:
-                if not s.sharded:  # to restore on failure
-                    s.before = flat_param.detach().clone()
                 if offload_to_cpu and not flat_param.is_cpu:
                     stack.enter_context(handle.to_cpu())
                 if not state._use_orig_params:
@@ -249,10 +341,16 @@ def _validate_unshard_params_args(
     below. With ``NO_SHARD``, changes persist regardless of ``writeback``.
     """
     if writeback and rank0_only:
+        # Rank 0 would edit the device copy, and resharding restore the CPU one
         handle = state._handle
         offload = handle and handle._offload_params and handle.device.type != "cpu"
-        hybrid = state.sharding_strategy in HYBRID_SHARDING_STRATEGIES
-        if with_grads or offload or hybrid:
+        if offload and not handle.uses_sharded_strategy:
+            raise NotImplementedError(
+                "writeback=True and rank0_only=True is not supported yet with "
+                "NO_SHARD and CPUOffload(offload_params=True) on an accelerator: "
+                "use rank0_only=False"
+            )
+        if with_grads:
             raise NotImplementedError(
                 "writeback=True and rank0_only=True is not supported yet"
             )
@@ -426,7 +524,7 @@ def _unshard_params(
     rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
         if rank0_writeback is not None:
-            # Exits last: writes back once every state exited
+            # Exits last: every state's writeback, once all states exited
             stack.callback(rank0_writeback.finish)
         for state, module in zip(*states_and_modules):
             stack.enter_context(

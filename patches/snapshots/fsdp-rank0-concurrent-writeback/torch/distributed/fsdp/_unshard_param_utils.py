@@ -77,20 +77,21 @@ def _writeback_to_local_shard(
 
 # NOTE: Writeback from rank 0 (``writeback=True, rank0_only=True``). The
 # source is global rank 0. The ranks run the same collectives in the same
-# order, even when one fails. Each agreement is one all-reduce of whether a
-# rank failed, so that a rank that fails after one, and agrees upon exit,
-# meets the others' next one; once one says a rank failed, no rank agrees
-# again.
+# order, even when one fails. Each agreement is one all-reduce of the same
+# flags (see ``agree()``), so that a rank that fails after one, and agrees
+# upon exit, meets the others' next one; once one says a rank failed, no rank
+# agrees again.
 # - Entry, per state: each rank does what may fail (the source allocates the
 #   unsharded parameter; ``NO_SHARD``: copies it, to restore on failure), then
-#   the ranks agree. Then the shards are gathered to the source only, which
-#   prepares the body.
+#   the ranks agree. Then, if any rank needs to unshard (no rank decides
+#   alone), the shards are gathered to the source only, which prepares the
+#   body.
 # - Exit, once all states exited (each, with ``offload_to_cpu`` on an
 #   accelerator): each rank allocates what it receives into, then the ranks
-#   agree. If none failed, the source scatters the parameters of all states
-#   concurrently. Else only ``NO_SHARD``'s parameter moves: the source
-#   broadcasts its values from before. Once all finished, each state frees its
-#   unsharded copy.
+#   agree. If none failed, the source starts the scatters of the parameters of
+#   all states before waiting for any. Else only ``NO_SHARD``'s parameter
+#   moves: the source broadcasts its values from before. Once all finished,
+#   each state frees its unsharded copy.
 
 
 def _run_all(fns) -> None:
@@ -113,17 +114,20 @@ class _Rank0Writeback:
         self.ok, self.failed = True, False  # this rank so far; a rank, as agreed
         self.states: list[_Rank0State] = []  # exited, not yet written back
 
-    def agree(self) -> None:
-        """See the NOTE."""
-        result = torch.tensor([not self.ok], dtype=torch.int32, device=self.device)
+    def agree(self, gather=False) -> bool:
+        """Returns whether any rank needs to unshard (see the NOTE)."""
+        flags = [not self.ok, gather]
+        result = torch.tensor(flags, dtype=torch.int32, device=self.device)
         for group in self.groups:  # for hybrid sharding, in the replica, then across
             dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
-        self.failed = bool(result.item())
+        failed, any_gather = result.tolist()
+        self.failed = bool(failed)
         if self.failed and self.ok:
             raise RuntimeError(
                 "summon_full_params(writeback=True, rank0_only=True) failed on "
                 "another rank (see its error): nothing was written back"
             )
+        return bool(any_gather)
 
     def finish(self) -> None:
         """Writes back (if every rank agrees) and frees the states that exited."""
@@ -147,7 +151,7 @@ class _Rank0Writeback:
 
 
 class _Rank0State:
-    """A state's part of a call: its unsharded copy on the source, its moves."""
+    """A state's part of a call: its unsharded copies on the source, its moves."""
 
     def __init__(self, state: _FSDPState, handle: FlatParamHandle, groups: tuple):
         self.state, self.handle = state, handle
@@ -155,7 +159,7 @@ class _Rank0State:
         self.is_src = all(dist.get_rank(g) == 0 for g in groups)
         self.sharded = handle.uses_sharded_strategy
         self.gather = handle.needs_unshard()
-        self.padded = self.before = self.buffer = None  # buffer: for CPUOffload
+        self.before = self.buffer = None  # buffer: on the device, for CPUOffload
 
     @torch.no_grad()
     def allocate(self) -> None:
@@ -168,15 +172,18 @@ class _Rank0State:
         if self.state.limit_all_gathers and event:
             event.synchronize()
         if self.is_src and self.gather:
-            self.padded = handle._alloc_padded_unsharded_flat_param()
+            handle._alloc_padded_unsharded_flat_param()
         if self.is_src and not self.sharded:
             self.before = flat_param.detach().clone()
 
     @torch.no_grad()
     def unshard(self) -> None:
         handle, flat_param = self.handle, self.handle.flat_param
+        # As the ranks agreed: also where this rank's is unsharded already
+        dst = self.is_src and self.gather
+        padded = handle._get_padded_unsharded_flat_param() if dst else None
         if self.gather:
-            handle.gather_to_rank0(flat_param.data, self.padded, self.replicate_group)
+            handle.gather_to_rank0(flat_param.data, padded, self.replicate_group)
         if self.is_src or not self.sharded:
             handle.unshard()  # only switches to the gathered parameter
         handle.post_unshard()
@@ -206,7 +213,9 @@ class _Rank0State:
         works.append(lambda: (work.wait(), buffer is not out and out.copy_(buffer)))
 
     def free(self) -> None:
-        """Frees the unsharded copy, every rank's (an early free may have failed)."""
+        """
+        Frees the unsharded copy, every rank's (an early free may have failed).
+        """
         try:
             # Even if allocated before (a forward), so no rank keeps a stale copy
             _reshard(self.state, self.handle, self.sharded)
@@ -240,7 +249,7 @@ def _unshard_fsdp_state_params_from_rank0(
             call.ok = False
             raise
         finally:
-            call.agree()
+            s.gather = call.agree(s.gather)
     except BaseException:
         _reshard(state, handle, s.gather)
         handle._training_state = HandleTrainingState.IDLE
@@ -515,7 +524,7 @@ def _unshard_params(
     rank0_writeback = _Rank0Writeback() if writeback and rank0_only else None
     with contextlib.ExitStack() as stack:
         if rank0_writeback is not None:
-            # Exits last: the states' writebacks run concurrently
+            # Exits last: every state's writeback, once all states exited
             stack.callback(rank0_writeback.finish)
         for state, module in zip(*states_and_modules):
             stack.enter_context(
