@@ -810,21 +810,23 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_dtensor_buffer_broadcast(self):
         """
-        A DTensor buffer (a replicated scale) is broadcast from dp rank 0 at each
-        forward, by its local tensor as at wrapping; training goes on.
+        A DTensor buffer replicated over the TP ranks or the dp mesh is broadcast
+        from dp rank 0 at each forward, by its local tensor; training goes on.
         """
-        reference, model = self.build()
-        scale = torch.ones(DIM, device=self.device_type)
-        model.register_buffer("scale", DTensor.from_local(scale, self.mesh["tp"]))
-        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
-        for step in range(2):
-            with torch.no_grad():  # rank 0's changes win over the others'
-                model.scale.add_(self.mesh["dp"].get_local_rank() + 1)
-            for d in (ddp, ref_ddp):
-                d(self.inputs(step)).pow(2).sum().backward()
-            self.assert_grads_match(model, reference, msg=f"step {step}")
-            self.assertIsInstance(model.scale, DTensor)
-            self.assertEqual(model.scale.to_local(), torch.full_like(scale, step + 2))
+        for mesh in (self.mesh["tp"], self.mesh["dp"]):
+            reference, model = self.build()
+            scale = torch.ones(DIM, device=self.device_type)
+            model.register_buffer("scale", DTensor.from_local(scale, mesh))
+            ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+            for step in range(2):
+                with torch.no_grad():  # rank 0's changes win over the others'
+                    model.scale.add_(self.mesh["dp"].get_local_rank() + 1)
+                for d in (ddp, ref_ddp):
+                    d(self.inputs(step)).pow(2).sum().backward()
+                self.assert_grads_match(model, reference, msg=f"step {step}")
+                self.assertIsInstance(model.scale, DTensor)
+                expected = torch.full_like(scale, step + 2)
+                self.assertEqual(model.scale.to_local(), expected)
 
     def test_overlapping_group_raises(self):
         """
@@ -847,12 +849,32 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
                 if isinstance(p, DTensor)
             }
             with self.assertRaisesRegex(
-                ValueError, r"(?s)holds two ranks of one group.*device_mesh=mesh\["
+                ValueError, r"DTensor parameter's mesh.*device_mesh=mesh\["
             ):
                 wrap(model)
             for n, shard in shards.items():
                 local = model.get_parameter(n).to_local()
                 self.assertEqual(local, shard, atol=0, rtol=0, msg=f"{name}: {n}")
+
+    def test_overlapping_dtensor_buffer_raises(self):
+        """
+        A DTensor buffer DDP broadcasts, sharded over a mesh sharing two ranks with
+        DDP's group, raises on every rank, shards unchanged; unbroadcast, it trains.
+        """
+        world = init_device_mesh(self.device_type, (self.world_size,))
+        cases = {  # a plain model, the default group; a TP model, the dp mesh
+            "default group": (world, lambda: nn.Linear(DIM, DIM), DDP),
+            "dp mesh": (self.mesh["dp"], lambda: self.build()[1], self.wrap),
+        }
+        for name, (mesh, build, wrap) in cases.items():
+            model = build().to(self.device_type)
+            local = torch.arange(4.0, device=self.device_type) + 4 * self.rank
+            model.register_buffer("table", DTensor.from_local(local, mesh, [Shard(0)]))
+            shard = local.clone()
+            with self.assertRaisesRegex(ValueError, r"DTensor buffer's mesh.*mesh\["):
+                wrap(model)
+            wrap(model, broadcast_buffers=False)(self.inputs(0)).sum().backward()
+            self.assertEqual(model.table.to_local(), shard, atol=0, rtol=0, msg=name)
 
     def test_replaced_param_raises(self):
         """load_state_dict(assign=True) after wrapping: one clear error."""
@@ -948,22 +970,17 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_python_reducer_raises(self):
         """
-        The Python reducer (optimize_ddp="python_reducer") is compiled autograd's
-        DDP path, and compiled autograd cannot trace the gradient hooks of DTensor
-        parameters: every rank raises at wrapping (replicate: at its first
-        forward), before any collective of the backward.
+        The Python reducer (compiled autograd's DDP path, which cannot trace the
+        gradient hooks of DTensor parameters): every rank raises at wrapping
+        (replicate: at its first forward), before any collective of the backward.
         """
-        for wrap, compiled_autograd in itertools.product(WRAPS, (False, True)):
+        for wrap, compiled_autograd in [(w, c) for w in WRAPS for c in (False, True)]:
             config = torch._dynamo.config.patch(
                 optimize_ddp="python_reducer", compiled_autograd=compiled_autograd
             )
             _, model = self.build()
-            with (
-                config,
-                self.assertRaisesRegex(
-                    NotImplementedError, "Python reducer .* does not support DTensor"
-                ),
-            ):
+            error = "Python reducer .* does not support DTensor"
+            with config, self.assertRaisesRegex(NotImplementedError, error):
                 self.wrap(model, wrap)(self.inputs(0)).sum().backward()
         dist.barrier()  # every rank raised alike
 
