@@ -141,35 +141,43 @@ class Test2dParallelIntegration(DTensorTestBase):
 
     @with_comms
     def test_2d_ddp_frozen_tp_param(self) -> None:
-        """A TP weight with requires_grad=False (a LoRA base weight) stays frozen."""
+        """
+        A TP weight with requires_grad=False (a LoRA base weight) stays frozen:
+        under DDP(device_mesh=...), and after _pre_dp_module_transform under
+        DDP(process_group=...).
+        """
         mesh = init_device_mesh(
             self.device_type,
             (self.world_size // TP_DEGREE, TP_DEGREE),
             mesh_dim_names=("dp", "tp"),
         )
-        model = MLPModule(self.device_type)
-        parallelize_module(
-            model, mesh["tp"], {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-        )
-        model.net1.weight.requires_grad_(False)
-        frozen = model.net1.weight.to_local().clone()
-        ddp = DDP(model, device_mesh=mesh["dp"])
-        params = dict(model.named_parameters())
-        self.assertEqual(
-            {name: p.requires_grad for name, p in params.items()},
-            {name: name != "net1.weight" for name in params},
-            "frozen TP parameter made trainable",
-        )
-        optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(mesh["dp"].get_local_rank())
-        for _ in range(2):
-            ddp(torch.randn(4, 10, device=self.device_type)).sum().backward()
-            optim.step()
-        weight = params["net1.weight"]
-        self.assertIsNone(weight.grad)
-        if isinstance(weight, DTensor):  # DDP keeps TP parameters as DTensors
-            weight = weight.to_local()
-        self.assertEqual(weight, frozen, atol=0, rtol=0)
+        for transform in (False, True):
+            model = MLPModule(self.device_type)
+            plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+            parallelize_module(model, mesh["tp"], plan)
+            model.net1.weight.requires_grad_(False)
+            frozen = model.net1.weight.to_local().clone()
+            if transform:
+                _pre_dp_module_transform(model)
+                ddp = DDP(model, process_group=mesh["dp"].get_group())
+            else:
+                ddp = DDP(model, device_mesh=mesh["dp"])
+            params = dict(model.named_parameters())
+            self.assertEqual(
+                {name: p.requires_grad for name, p in params.items()},
+                {name: name != "net1.weight" for name in params},
+                f"frozen TP parameter made trainable (transform={transform})",
+            )
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(mesh["dp"].get_local_rank())
+            for _ in range(2):
+                ddp(torch.randn(4, 10, device=self.device_type)).sum().backward()
+                optim.step()
+            weight = model.net1.weight
+            self.assertIsNone(weight.grad)
+            if isinstance(weight, DTensor):  # DDP keeps TP parameters as DTensors
+                weight = weight.to_local()
+            self.assertEqual(weight, frozen, atol=0, rtol=0)
 
     @with_comms
     def test_2d_ddp_fused_optimizer_process_group(self) -> None:
@@ -1330,7 +1338,12 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         self.assert_replicated_over_tp(model)
 
     def test_transformer_autocast(self):
-        """CPU bf16 torch.autocast around the forward trains as TP alone."""
+        """
+        The test Transformer (plain norms, then sequence parallel) under DDP with
+        CPU bf16 torch.autocast around the forward, against TP alone run on each
+        dp rank's batch (gradients averaged): 3 AdamW steps, the same step-0
+        gradients and parameters, Replicate parameters equal over TP.
+        """
 
         def step(module, tokens):
             with torch.autocast(self.device_type, dtype=torch.bfloat16):
@@ -1347,7 +1360,8 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
     def test_loss_parallel(self):
         """
         loss_parallel() over logits sharded over the vocabulary (DTensor outputs
-        of DDP's forward) trains as TP alone.
+        of the forward), under DDP and under replicate, against TP alone on the
+        global batch: 3 AdamW steps, the same step-0 gradients and parameters.
         """
 
         def step(module, tokens):
@@ -1369,8 +1383,10 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_dcp_resume_onto_another_mesh(self):
         """
-        A DDP(TP) model and its optimizer saved by DCP on a dp x tp mesh load on
-        another layout (tp=4; dp and tp swapped), as TP alone's would.
+        DDP(TP) trained 2 AdamW steps on the 2 x 2 dp x tp mesh, its model and
+        optimizer state saved by DCP, then loaded into a fresh DDP(TP) on a 1 x 4
+        mesh and on the 2 x 2 mesh with dp and tp swapped: the same parameters
+        and AdamW state, exactly.
         """
         _, model = self.build()
         ddp = self.wrap(model)
