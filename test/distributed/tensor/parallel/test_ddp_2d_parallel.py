@@ -141,35 +141,43 @@ class Test2dParallelIntegration(DTensorTestBase):
 
     @with_comms
     def test_2d_ddp_frozen_tp_param(self) -> None:
-        """A TP weight with requires_grad=False (a LoRA base weight) stays frozen."""
+        """
+        A TP weight with requires_grad=False (a LoRA base weight) stays frozen:
+        under DDP(device_mesh=...), and after _pre_dp_module_transform under
+        DDP(process_group=...).
+        """
         mesh = init_device_mesh(
             self.device_type,
             (self.world_size // TP_DEGREE, TP_DEGREE),
             mesh_dim_names=("dp", "tp"),
         )
-        model = MLPModule(self.device_type)
-        parallelize_module(
-            model, mesh["tp"], {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-        )
-        model.net1.weight.requires_grad_(False)
-        frozen = model.net1.weight.to_local().clone()
-        ddp = DDP(model, device_mesh=mesh["dp"])
-        params = dict(model.named_parameters())
-        self.assertEqual(
-            {name: p.requires_grad for name, p in params.items()},
-            {name: name != "net1.weight" for name in params},
-            "frozen TP parameter made trainable",
-        )
-        optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(mesh["dp"].get_local_rank())
-        for _ in range(2):
-            ddp(torch.randn(4, 10, device=self.device_type)).sum().backward()
-            optim.step()
-        weight = params["net1.weight"]
-        self.assertIsNone(weight.grad)
-        if isinstance(weight, DTensor):  # DDP keeps TP parameters as DTensors
-            weight = weight.to_local()
-        self.assertEqual(weight, frozen, atol=0, rtol=0)
+        for transform in (False, True):
+            model = MLPModule(self.device_type)
+            plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+            parallelize_module(model, mesh["tp"], plan)
+            model.net1.weight.requires_grad_(False)
+            frozen = model.net1.weight.to_local().clone()
+            if transform:
+                _pre_dp_module_transform(model)
+                ddp = DDP(model, process_group=mesh["dp"].get_group())
+            else:
+                ddp = DDP(model, device_mesh=mesh["dp"])
+            params = dict(model.named_parameters())
+            self.assertEqual(
+                {name: p.requires_grad for name, p in params.items()},
+                {name: name != "net1.weight" for name in params},
+                f"frozen TP parameter made trainable (transform={transform})",
+            )
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(mesh["dp"].get_local_rank())
+            for _ in range(2):
+                ddp(torch.randn(4, 10, device=self.device_type)).sum().backward()
+                optim.step()
+            weight = model.net1.weight
+            self.assertIsNone(weight.grad)
+            if isinstance(weight, DTensor):  # DDP keeps TP parameters as DTensors
+                weight = weight.to_local()
+            self.assertEqual(weight, frozen, atol=0, rtol=0)
 
     @with_comms
     def test_2d_ddp_fused_optimizer_process_group(self) -> None:
@@ -810,21 +818,23 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_dtensor_buffer_broadcast(self):
         """
-        A DTensor buffer (a replicated scale) is broadcast from dp rank 0 at each
-        forward, by its local tensor as at wrapping; training goes on.
+        A DTensor buffer replicated over the TP ranks or the dp mesh is broadcast
+        from dp rank 0 at each forward, by its local tensor; training goes on.
         """
-        reference, model = self.build()
-        scale = torch.ones(DIM, device=self.device_type)
-        model.register_buffer("scale", DTensor.from_local(scale, self.mesh["tp"]))
-        ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
-        for step in range(2):
-            with torch.no_grad():  # rank 0's changes win over the others'
-                model.scale.add_(self.mesh["dp"].get_local_rank() + 1)
-            for d in (ddp, ref_ddp):
-                d(self.inputs(step)).pow(2).sum().backward()
-            self.assert_grads_match(model, reference, msg=f"step {step}")
-            self.assertIsInstance(model.scale, DTensor)
-            self.assertEqual(model.scale.to_local(), torch.full_like(scale, step + 2))
+        for mesh in (self.mesh["tp"], self.mesh["dp"]):
+            reference, model = self.build()
+            scale = torch.ones(DIM, device=self.device_type)
+            model.register_buffer("scale", DTensor.from_local(scale, mesh))
+            ddp, ref_ddp = self.wrap(model), self.ref_ddp(reference)
+            for step in range(2):
+                with torch.no_grad():  # rank 0's changes win over the others'
+                    model.scale.add_(self.mesh["dp"].get_local_rank() + 1)
+                for d in (ddp, ref_ddp):
+                    d(self.inputs(step)).pow(2).sum().backward()
+                self.assert_grads_match(model, reference, msg=f"step {step}")
+                self.assertIsInstance(model.scale, DTensor)
+                expected = torch.full_like(scale, step + 2)
+                self.assertEqual(model.scale.to_local(), expected)
 
     def test_overlapping_group_raises(self):
         """
@@ -847,12 +857,32 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
                 if isinstance(p, DTensor)
             }
             with self.assertRaisesRegex(
-                ValueError, r"(?s)holds two ranks of one group.*device_mesh=mesh\["
+                ValueError, r"DTensor parameter's mesh.*device_mesh=mesh\["
             ):
                 wrap(model)
             for n, shard in shards.items():
                 local = model.get_parameter(n).to_local()
                 self.assertEqual(local, shard, atol=0, rtol=0, msg=f"{name}: {n}")
+
+    def test_overlapping_dtensor_buffer_raises(self):
+        """
+        A DTensor buffer DDP broadcasts, sharded over a mesh sharing two ranks with
+        DDP's group, raises on every rank, shards unchanged; unbroadcast, it trains.
+        """
+        world = init_device_mesh(self.device_type, (self.world_size,))
+        cases = {  # a plain model, the default group; a TP model, the dp mesh
+            "default group": (world, lambda: nn.Linear(DIM, DIM), DDP),
+            "dp mesh": (self.mesh["dp"], lambda: self.build()[1], self.wrap),
+        }
+        for name, (mesh, build, wrap) in cases.items():
+            model = build().to(self.device_type)
+            local = torch.arange(4.0, device=self.device_type) + 4 * self.rank
+            model.register_buffer("table", DTensor.from_local(local, mesh, [Shard(0)]))
+            shard = local.clone()
+            with self.assertRaisesRegex(ValueError, r"DTensor buffer's mesh.*mesh\["):
+                wrap(model)
+            wrap(model, broadcast_buffers=False)(self.inputs(0)).sum().backward()
+            self.assertEqual(model.table.to_local(), shard, atol=0, rtol=0, msg=name)
 
     def test_replaced_param_raises(self):
         """load_state_dict(assign=True) after wrapping: one clear error."""
@@ -948,22 +978,17 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_python_reducer_raises(self):
         """
-        The Python reducer (optimize_ddp="python_reducer") is compiled autograd's
-        DDP path, and compiled autograd cannot trace the gradient hooks of DTensor
-        parameters: every rank raises at wrapping (replicate: at its first
-        forward), before any collective of the backward.
+        The Python reducer (compiled autograd's DDP path, which cannot trace the
+        gradient hooks of DTensor parameters): every rank raises at wrapping
+        (replicate: at its first forward), before any collective of the backward.
         """
-        for wrap, compiled_autograd in itertools.product(WRAPS, (False, True)):
+        for wrap, compiled_autograd in [(w, c) for w in WRAPS for c in (False, True)]:
             config = torch._dynamo.config.patch(
                 optimize_ddp="python_reducer", compiled_autograd=compiled_autograd
             )
             _, model = self.build()
-            with (
-                config,
-                self.assertRaisesRegex(
-                    NotImplementedError, "Python reducer .* does not support DTensor"
-                ),
-            ):
+            error = "Python reducer .* does not support DTensor"
+            with config, self.assertRaisesRegex(NotImplementedError, error):
                 self.wrap(model, wrap)(self.inputs(0)).sum().backward()
         dist.barrier()  # every rank raised alike
 
@@ -1313,7 +1338,12 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
         self.assert_replicated_over_tp(model)
 
     def test_transformer_autocast(self):
-        """CPU bf16 torch.autocast around the forward trains as TP alone."""
+        """
+        The test Transformer (plain norms, then sequence parallel) under DDP with
+        CPU bf16 torch.autocast around the forward, against TP alone run on each
+        dp rank's batch (gradients averaged): 3 AdamW steps, the same step-0
+        gradients and parameters, Replicate parameters equal over TP.
+        """
 
         def step(module, tokens):
             with torch.autocast(self.device_type, dtype=torch.bfloat16):
@@ -1330,7 +1360,8 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
     def test_loss_parallel(self):
         """
         loss_parallel() over logits sharded over the vocabulary (DTensor outputs
-        of DDP's forward) trains as TP alone.
+        of the forward), under DDP and under replicate, against TP alone on the
+        global batch: 3 AdamW steps, the same step-0 gradients and parameters.
         """
 
         def step(module, tokens):
@@ -1352,8 +1383,10 @@ class TestDDPTensorParallel(DTensorContinuousTestBase):
 
     def test_dcp_resume_onto_another_mesh(self):
         """
-        A DDP(TP) model and its optimizer saved by DCP on a dp x tp mesh load on
-        another layout (tp=4; dp and tp swapped), as TP alone's would.
+        DDP(TP) trained 2 AdamW steps on the 2 x 2 dp x tp mesh, its model and
+        optimizer state saved by DCP, then loaded into a fresh DDP(TP) on a 1 x 4
+        mesh and on the 2 x 2 mesh with dp and tp swapped: the same parameters
+        and AdamW state, exactly.
         """
         _, model = self.build()
         ddp = self.wrap(model)

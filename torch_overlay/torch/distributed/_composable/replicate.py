@@ -6,7 +6,6 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 from torch.distributed._composable_state import _State
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .contract import _get_registry, contract
@@ -112,9 +111,11 @@ class _ReplicateState(_State):
             kwargs.pop("device_id")
 
         self._ddp = DistributedDataParallel(self._param_list, **kwargs)
+        from torch.distributed.tensor import DTensor
+
         # DDP checks the list it wraps; a DTensor parameter is replaced in its
         # module (e.g. by load_state_dict(assign=True)).
-        self._dtensor_params: list[tuple[nn.Module, str, DTensor]] = [
+        self._dtensor_params: list[tuple[nn.Module, str, nn.Parameter]] = [
             (*_owner(module, name), param)
             for name, param in zip(self._param_names, self._param_list)
             if isinstance(param, DTensor)

@@ -444,8 +444,7 @@ def powerSGD_hook(
         input_tensor_cp = input_tensor.detach().clone()
 
     # Unflatten the input tensor into per-parameter tensors, for layer-wise compression.
-    # The gradient of a DTensor parameter is compressed by its local tensor, the
-    # bucket's view: a low-rank approximation of this rank's shard.
+    # A DTensor gradient by its local tensor: an approximation of this rank's shard.
     tensors = [_local_tensor(tensor) for tensor in bucket.gradients()]
 
     # Step I: Divide all the tensors into two groups,

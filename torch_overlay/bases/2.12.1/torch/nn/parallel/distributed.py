@@ -459,24 +459,16 @@ class _DTensorGradBucket:
     """
     A bucket as a comm hook of DDP over plain parameters sees it: the module's
     parameters, and each DTensor parameter's gradient as a DTensor of the
-    bucket's view, as it will be ``param.grad``. ``buffer()`` holds local tensors.
+    bucket's view, as it will be ``param.grad``. ``buffer()`` holds local
+    tensors; it, ``set_buffer()``, ``index()`` and ``is_last()`` are the bucket's.
     """
 
     def __init__(self, bucket: "dist.GradBucket", params: dict) -> None:
         self._bucket = bucket
         self._params = params  # the DTensor parameters, by the reducer's aliases
 
-    def index(self) -> int:
-        return self._bucket.index()
-
-    def buffer(self) -> torch.Tensor:
-        return self._bucket.buffer()
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        self._bucket.set_buffer(buffer)
-
-    def is_last(self) -> bool:
-        return self._bucket.is_last()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bucket, name)
 
     def parameters(self) -> list[torch.Tensor]:
         return [self._params.get(p, p) for p in self._bucket.parameters()]
@@ -1081,8 +1073,6 @@ class DistributedDataParallel(Module, Joinable):
         if self._use_python_reducer and any(
             _local_tensor(p) is not p for p in self._module_parameters
         ):
-            # Its hooks are there for compiled autograd, which cannot trace them on
-            # DTensors: it would fail in backward, not always on every rank.
             self._log_and_throw(
                 NotImplementedError,
                 "DistributedDataParallel's Python reducer "
@@ -1100,7 +1090,11 @@ class DistributedDataParallel(Module, Joinable):
                     "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
                     "Run a dummy forward pass to correctly initialize the modules",
                 )
-        self._check_dtensor_param_groups(agree=init_sync)
+        # Buffers are broadcast at init unless broadcast_buffers=False, or forward
+        self._check_dtensor_param_groups(
+            agree=init_sync,
+            buffers=broadcast_buffers is not False or self.broadcast_buffers,
+        )
         # used for intra-node param sync and inter-node sync as well
         self.broadcast_bucket_size = 250 * 1024 * 1024
 
@@ -1257,10 +1251,9 @@ class DistributedDataParallel(Module, Joinable):
                 for hook, state in self._comm_hooks:
                     hook(state, (param.grad, param))
             else:
-                grad = _local_tensor(_reducible_grad(param))
-                gradient = grad / self.process_group.size()
+                gradient = param.grad / self.process_group.size()
                 gradient = fcol.all_reduce(gradient, "sum", self.process_group)
-                grad.copy_(gradient)
+                param.grad.copy_(gradient)
 
         for index, param in enumerate(self._module_parameters):
             if not param.requires_grad:
@@ -1451,27 +1444,40 @@ class DistributedDataParallel(Module, Joinable):
             )
             p._ddp_mp_hook_state = (grad_acc, hook)
 
-    def _check_dtensor_param_groups(self, agree: bool) -> None:
+    def _check_dtensor_param_groups(self, agree: bool, buffers: bool) -> None:
         """
-        Raise if the process group holds two ranks of a group of a DTensor
-        parameter's mesh (e.g. its TP ranks): DDP would broadcast and average
-        different shards. Every rank raises, before any collective.
+        Raise if the process group holds two ranks of a group of the mesh of a
+        DTensor parameter, or of a DTensor buffer it broadcasts that is not
+        replicated over that group (e.g. its TP ranks): DDP would broadcast and
+        average different shards. Every rank raises, before any collective.
         """
         from torch.distributed.tensor import DTensor
 
-        meshes = dict.fromkeys(
-            p.device_mesh for p in self._module_parameters if isinstance(p, DTensor)
-        )
-        if not meshes:
+        dtensor_buffers = [
+            b
+            for n, b in self.module.named_buffers()
+            if isinstance(b, DTensor) and n not in self.parameters_to_ignore
+        ]
+        # Found once: only then do the buffer broadcasts take local tensors.
+        self._has_dtensor_buffers = bool(dtensor_buffers)
+        dtensors = {
+            t: "parameter" for t in self._module_parameters if isinstance(t, DTensor)
+        }
+        if buffers:
+            dtensors.update(dict.fromkeys(dtensor_buffers, "buffer"))
+        if not dtensors:
             return
         ranks = set(dist.get_process_group_ranks(self.process_group))
         overlap = ""
-        for mesh in meshes:
+        for t, kind in dtensors.items():
+            mesh = t.device_mesh
             for dim, name in enumerate(mesh.mesh_dim_names or range(mesh.ndim)):
+                if kind == "buffer" and t.placements[dim].is_replicate():
+                    continue  # equal copies: rank 0's wins, as for a plain buffer
                 group = dist.get_process_group_ranks(mesh.get_group(dim))
                 shared = sorted(ranks.intersection(group))
                 if len(shared) > 1:
-                    overlap = f"ranks {shared} of dim {name!r}"
+                    overlap = f"{kind}'s mesh (ranks {shared} of dim {name!r})"
         found = torch.tensor(int(bool(overlap)), device=self.device)
         if agree:  # a rank whose own mesh groups do not overlap raises too
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -1479,10 +1485,11 @@ class DistributedDataParallel(Module, Joinable):
             self._log_and_throw(
                 ValueError,
                 "DistributedDataParallel's process group holds two ranks of one "
-                f"group of a DTensor parameter's mesh ({overlap or 'on another rank'})"
-                ": it would average different shards.\nPass the data parallel mesh "
-                'of a 2-D mesh: device_mesh=mesh["dp"], with mesh = init_device_mesh('
-                'device_type, (dp, tp), mesh_dim_names=("dp", "tp")).',
+                f"group of a DTensor {overlap or 'mesh (on another rank)'}: pass "
+                'the dp mesh, DDP(model, device_mesh=mesh["dp"]) or '
+                'replicate(model, device_mesh=mesh["dp"]).\nIt would average '
+                "different shards; mesh = init_device_mesh(device_type, (dp, tp), "
+                'mesh_dim_names=("dp", "tp")).',
             )
 
     # NOTE [DTensor parameters]: the module keeps its DTensor parameters. The
@@ -1520,8 +1527,7 @@ class DistributedDataParallel(Module, Joinable):
         hook = functools.partial(_reduce_dtensor_grad, *args)
         entry.grad_acc = torch.autograd.graph.get_gradient_edge(entry.param).node
         entry.cdata = entry.param._cdata
-        if not self._use_python_reducer:  # whose hooks reduce DTensors
-            entry.handle = entry.grad_acc.register_hook(hook)
+        entry.handle = entry.grad_acc.register_hook(hook)
 
     def _check_dtensor_params(self) -> None:
         """Raise if a DTensor parameter changed after wrapping; hook a swapped one."""
@@ -1529,15 +1535,10 @@ class DistributedDataParallel(Module, Joinable):
             module, name, param = entry.module, entry.name, entry.param
             # NOTE: swap_tensors (Module._apply of DTensor parameters, e.g. .to() or
             # .float() after wrapping) gives a parameter a new TensorImpl and
-            # gradient accumulator; one that views the reducer's alias trains on,
-            # but on the Python reducer, whose hook does not follow a swap.
+            # gradient accumulator; one that views the reducer's alias trains on.
             swapped = param._cdata != entry.cdata
             if module._parameters.get(name) is not param or (
-                swapped
-                and (
-                    entry.handle is None
-                    or not _local_tensor(param).is_set_to(entry.local_tensor)
-                )
+                swapped and not _local_tensor(param).is_set_to(entry.local_tensor)
             ):
                 self._log_and_throw(
                     RuntimeError,
@@ -1805,10 +1806,11 @@ class DistributedDataParallel(Module, Joinable):
             for buffer_name, buffer in self.module.named_buffers()
             if buffer_name not in self.parameters_to_ignore
         ]
-        # The local tensors of DTensor buffers, as the init sync broadcasts
         self.modules_buffers = [
-            _local_tensor(buffer) for (buffer, buffer_name) in named_module_buffers
+            buffer for (buffer, buffer_name) in named_module_buffers
         ]
+        if self._has_dtensor_buffers:  # their local tensors, as at init
+            self.modules_buffers = [_local_tensor(b) for b in self.modules_buffers]
         # Dict[str, tensor] representing module buffers not ignored by DDP.
         self.named_module_buffers = {
             buffer_name: buffer for (buffer, buffer_name) in named_module_buffers
@@ -1967,8 +1969,6 @@ class DistributedDataParallel(Module, Joinable):
 
     def _pre_forward(self, *inputs, **kwargs):
         if self._use_python_reducer:
-            if self._dtensor_params and not torch.compiler.is_compiling():
-                self._check_dtensor_params()
             return inputs, kwargs
 
         if not self._lazy_init_ran and not torch.compiler.is_compiling():
