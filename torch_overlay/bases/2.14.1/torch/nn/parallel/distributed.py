@@ -1134,7 +1134,7 @@ class DistributedDataParallel(Module, Joinable):
                     "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
                     "Run a dummy forward pass to correctly initialize the modules",
                 )
-        # Buffers are broadcast at init unless broadcast_buffers=False, or forward
+        # Buffers are broadcast at init (but with broadcast_buffers=False) and forward
         self._check_dtensor_param_groups(
             agree=init_sync,
             buffers=broadcast_buffers is not False or self.broadcast_buffers,
